@@ -1,0 +1,1 @@
+"""A JAX LLM training framework in the spirit of MaxText."""

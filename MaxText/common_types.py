@@ -1,0 +1,29 @@
+"""Names shared by the layers, the sharding rules and the training loop.
+
+Logical axis names: parameters and activations have separate names, so that their sharding can differ
+(e.g. FSDP shards a weight's `embed` axis while the activation's `activation_embed` stays whole).
+Every name here needs a rule in `logical_axis_rules` (configs/base.yml); a test checks that.
+"""
+
+# Parameter axes.
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+VOCAB = "vocab"
+NORM = "norm"
+LAYERS = "layers"
+
+# Activation axes.
+BATCH = "activation_batch"
+LENGTH = "activation_length"
+ACT_EMBED = "activation_embed"
+ACT_MLP = "activation_mlp"
+ACT_HEADS = "activation_heads"
+ACT_KV_HEADS = "activation_kv_heads"
+ACT_HEAD_DIM = "activation_head_dim"
+ACT_VOCAB = "activation_vocab"
+
+PARAM_AXES = (EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, NORM, LAYERS)
+ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_HEAD_DIM, ACT_VOCAB)

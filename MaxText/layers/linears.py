@@ -1,0 +1,90 @@
+"""Dense projections and the gated MLP."""
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText import common_types as ct
+from MaxText import sharding
+from MaxText.pyconfig import Config
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu": nn.gelu,
+    "relu": nn.relu,
+    "tanh": jnp.tanh,
+    "sigmoid": nn.sigmoid,
+    "linear": lambda x: x,
+}
+
+
+def dtypes(config: Config) -> tuple[jnp.dtype, jnp.dtype]:
+  """(activation dtype, weight dtype) of a config."""
+  return DTYPES[config.dtype], DTYPES[config.weight_dtype]
+
+
+class DenseGeneral(nn.Module):
+  """y = x . W contracting the last `num_in` axes of x with the first `num_in` axes of W.
+
+  W has shape in_features + features and logical axes `kernel_axes`; it is stored in weight_dtype and
+  used in the activation dtype. Initialised by LeCun-normal (truncated, fan-in over all input axes), as
+  MaxText's `nd_dense_init(1.0, "fan_in", "truncated_normal")`.
+  """
+
+  features: Sequence[int]
+  kernel_axes: Sequence[str]
+  config: Config
+  num_in: int = 1
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype, weight_dtype = dtypes(self.config)
+    in_shape = x.shape[-self.num_in :]
+    features = tuple(self.features)
+    n_out = len(features)
+    init = nn.initializers.variance_scaling(
+        1.0,
+        "fan_in",
+        "truncated_normal",
+        in_axis=tuple(range(self.num_in)),
+        out_axis=tuple(range(self.num_in, self.num_in + n_out)),
+    )
+    kernel = self.param(
+        "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), in_shape + features, weight_dtype
+    )
+    contract_x = tuple(range(x.ndim - self.num_in, x.ndim))
+    contract_w = tuple(range(self.num_in))
+    return jax.lax.dot_general(
+        x.astype(dtype),
+        kernel.astype(dtype),
+        ((contract_x, contract_w), ((), ())),
+        precision=PRECISIONS[self.config.matmul_precision],
+    )
+
+
+class MlpBlock(nn.Module):
+  """Gated MLP: wo(prod_i act_i(wi_i x)), e.g. SwiGLU for mlp_activations=[silu, linear] (Shazeer 2020).
+
+  x: [batch, length, embed] -> [batch, length, embed].
+  """
+
+  config: Config
+  mesh: jax.sharding.Mesh | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    hidden = None
+    for i, act in enumerate(cfg.mlp_activations):
+      h = DenseGeneral((cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, name=f"wi_{i}")(x)
+      h = ACTIVATIONS[act](checkpoint_name(h, "mlpwi"))
+      hidden = h if hidden is None else hidden * h
+    hidden = sharding.constrain(hidden, (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
+    out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, name="wo")(hidden)
+    return checkpoint_name(out, "mlpwo")
+

@@ -1,0 +1,96 @@
+"""The decoder-only Transformer and the registry of decoder layers.
+
+Adding a model family: one file in layers/ with its decoder layer, one entry in DECODER_BLOCKS, one yml in
+configs/models/.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from MaxText import common_types as ct
+from MaxText import sharding
+from MaxText.layers.embeddings import Embed
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.llama import LlamaDecoderLayer
+from MaxText.layers.normalizations import RMSNorm
+from MaxText.pyconfig import Config, ConfigError
+
+DECODER_BLOCKS = {"llama2": LlamaDecoderLayer}
+
+_SAVE_NAMES = {
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+    "save_out_proj": ("out_proj",),
+}
+
+
+def remat_policy(name: str):
+  """jax.checkpoint policy of MaxText's `remat_policy` names, over the checkpoint_name()s in the layers.
+
+  full recomputes everything in the backward pass; minimal saves matmul outputs without batch dims;
+  save_* keep only the named projections; none is handled by not wrapping in remat at all.
+  """
+  if name == "full":
+    return jax.checkpoint_policies.nothing_saveable
+  if name == "minimal":
+    return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+  if name in _SAVE_NAMES:
+    return jax.checkpoint_policies.save_only_these_names(*_SAVE_NAMES[name])
+  raise ConfigError(f"remat_policy={name!r} is not supported; choose full, minimal, none or one of {sorted(_SAVE_NAMES)}")
+
+
+def decoder_block(config: Config) -> type[nn.Module]:
+  try:
+    return DECODER_BLOCKS[config.decoder_block]
+  except KeyError:
+    raise ConfigError(f"decoder_block={config.decoder_block!r} is unknown; choose one of {sorted(DECODER_BLOCKS)}") from None
+
+
+class Transformer(nn.Module):
+  """Token ids -> next-token logits.
+
+  tokens, segment_ids, positions: [batch, length] int32 (segment 0 is padding; positions restart per
+  document) -> logits [batch, length, vocab] in the activation dtype.
+  """
+
+  config: Config
+  mesh: jax.sharding.Mesh | None = None
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids, positions, deterministic: bool = True):
+    cfg = self.config
+    embed = Embed(cfg, name="token_embedder")
+    x = sharding.constrain(embed(tokens), (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
+
+    block = decoder_block(cfg)
+    if cfg.remat_policy != "none":
+      block = nn.remat(block, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+    deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
+    if cfg.scan_layers:
+      scanned = nn.scan(
+          block,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast, nn.broadcast),
+          length=cfg.num_decoder_layers,
+          metadata_params={nn.PARTITION_NAME: ct.LAYERS},
+      )
+      x, _ = scanned(cfg, self.mesh, deterministic, name="layers")(x, segment_ids, positions)
+    else:
+      for i in range(cfg.num_decoder_layers):
+        x, _ = block(cfg, self.mesh, deterministic, name=f"layers_{i}")(x, segment_ids, positions)
+
+    x = RMSNorm(cfg, name="decoder_norm")(x)
+    if cfg.logits_via_embedding:
+      logits = embed.attend(x)
+    else:
+      logits = DenseGeneral((cfg.vocab_size,), (ct.EMBED, ct.VOCAB), cfg, name="logits_dense")(x)
+    return sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
+
+
+def init_inputs(batch: int, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Dummy (tokens, segment_ids, positions) of a shape, for init and eval_shape."""
+  ids = jnp.zeros((batch, length), jnp.int32)
+  return ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
