@@ -425,10 +425,14 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   return d
 
 
-def load(argv: Sequence[str], num_devices: int, num_slices: int = 1, env: Mapping[str, str] | None = None) -> Config:
-  """Parses argv (`[config.yml, key=value, ...]`) and the environment into a frozen Config."""
-  values = parse(argv, env)
-  values.update(derive(values, num_devices, num_slices))
+def finalize(values: Mapping, num_devices: int, num_slices: int = 1) -> Config:
+  """Typed raw values (from `parse`) plus derived values -> a frozen Config."""
+  values = {**values, **derive(values, num_devices, num_slices)}
   if not values["run_name"]:
     raise ConfigError("run_name is empty; pass run_name=NAME (output goes to base_output_directory/NAME)")
   return Config({k: _freeze(v) for k, v in values.items()})
+
+
+def load(argv: Sequence[str], num_devices: int, num_slices: int = 1, env: Mapping[str, str] | None = None) -> Config:
+  """Parses argv (`[config.yml, key=value, ...]`) and the environment into a frozen Config."""
+  return finalize(parse(argv, env), num_devices, num_slices)

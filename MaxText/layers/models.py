@@ -52,17 +52,19 @@ class Transformer(nn.Module):
   """Token ids -> next-token logits.
 
   tokens, segment_ids, positions: [batch, length] int32 (segment 0 is padding; positions restart per
-  document) -> logits [batch, length, vocab] in the activation dtype.
+  document) -> logits [batch, length, vocab] in the activation dtype. `input_embeddings` [batch, length,
+  embed], when given, replaces the token lookup (tests take gradients with respect to it).
   """
 
   config: Config
   mesh: jax.sharding.Mesh | None = None
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, deterministic: bool = True):
+  def __call__(self, tokens, segment_ids, positions, deterministic: bool = True, input_embeddings=None):
     cfg = self.config
     embed = Embed(cfg, name="token_embedder")
-    x = sharding.constrain(embed(tokens), (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
+    x = embed(tokens) if input_embeddings is None else input_embeddings
+    x = sharding.constrain(x, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
 
     block = decoder_block(cfg)
     if cfg.remat_policy != "none":

@@ -1,0 +1,117 @@
+"""Every checkpoint rule in one place: where they live, when they are written, what a run starts from.
+
+A run's checkpoints are `{base_output_directory}/{run_name}/checkpoints/<step>/items`, where <step> is the
+number of completed optimizer steps. Orbax writes each one into a temporary folder and renames it when
+complete, so a save cut short (even by kill -9) is never listed as a checkpoint; leftovers are removed
+when the run restarts. What a run starts from, first match wins:
+
+  1. the latest checkpoint of its own run directory (resume: params, optimizer, step; the data position
+     and the dropout RNG are functions of the step),
+  2. load_full_state_path (a whole train state),
+  3. load_parameters_path (params only; fresh optimizer at step 0),
+  4. a fresh init from init_weights_seed.
+"""
+
+import dataclasses
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from MaxText.pyconfig import Config, ConfigError
+from MaxText.state import StateLayout, TrainState, init_state, state_from_params
+
+ITEM = "items"
+
+
+def run_dir(config: Config) -> str:
+  return os.path.join(os.path.expanduser(config.base_output_directory), config.run_name)
+
+
+def checkpoint_dir(config: Config) -> str:
+  return os.path.join(run_dir(config), "checkpoints")
+
+
+def create_manager(config: Config) -> ocp.CheckpointManager | None:
+  """The run's checkpoint manager, or None when enable_checkpointing=false."""
+  if not config.enable_checkpointing:
+    return None
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=config.max_num_checkpoints_to_keep or None,
+      enable_async_checkpointing=config.async_checkpointing,
+      create=True,
+      cleanup_tmp_directories=True,
+  )
+  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM,))
+
+
+def save(manager: ocp.CheckpointManager, state: TrainState) -> bool:
+  """Starts saving `state` as checkpoint <state.step>; never overwrites an existing checkpoint."""
+  step = int(jax.device_get(state.step))
+  if step in manager.all_steps():
+    return False
+  return manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}), force=True)
+
+
+def _items_path(key: str, path: str) -> str:
+  """Accepts a checkpoint's `items` folder or its step folder; rejects anything else in one line."""
+  path = os.path.expanduser(path)
+  if os.path.isdir(os.path.join(path, ITEM)):
+    path = os.path.join(path, ITEM)
+  if not os.path.isdir(path):
+    raise ConfigError(f"{key}={path} does not exist; give a checkpoint's items folder, e.g. RUN/checkpoints/100/items")
+  if ".orbax-checkpoint-tmp" in path:
+    raise ConfigError(f"{key}={path} is an unfinished checkpoint (its save was interrupted); pick a complete one")
+  return path
+
+
+def _restore_error(where: str, error: Exception) -> ConfigError:
+  detail = " ".join(str(error).split())[:300]
+  return ConfigError(
+      f"checkpoint {where} does not match this config ({type(error).__name__}: {detail}); "
+      "use the model config it was saved with, or a new run_name"
+  )
+
+
+def _restore_tree(path: str, target):
+  """Restores the parts of the pytree at `path` named by `target` (abstract, with shardings)."""
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  try:
+    return checkpointer.restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+        ),
+    )
+  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+    raise _restore_error(path, e) from None
+
+
+def restore_params(path: str, abstract_params, key: str = "load_parameters_path"):
+  """Params from a train-state or params-only checkpoint at `path`, placed by the abstract params' shardings."""
+  return _restore_tree(_items_path(key, path), {"params": abstract_params})["params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StartingPoint:
+  state: TrainState
+  source: str  # where the state came from, for the log
+
+
+def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> StartingPoint:
+  """The state a run starts from, by the rules in this module's docstring."""
+  latest = manager.latest_step() if manager is not None else None
+  if latest is not None:
+    target = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(layout.abstract)})
+    try:
+      state = manager.restore(latest, args=target)[ITEM]
+    except (ValueError, KeyError, TypeError) as e:
+      raise _restore_error(os.path.join(checkpoint_dir(config), str(latest)), e) from None
+    return StartingPoint(state, f"resumed from {checkpoint_dir(config)}/{latest}")
+  if config.load_full_state_path:
+    path = _items_path("load_full_state_path", config.load_full_state_path)
+    return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")
+  if config.load_parameters_path:
+    params = restore_params(config.load_parameters_path, layout.abstract.params)
+    return StartingPoint(state_from_params(params, tx, layout), f"params from {config.load_parameters_path}")
+  return StartingPoint(init_state(model, config, tx, layout), f"fresh init (seed {config.init_weights_seed})")

@@ -1,0 +1,69 @@
+"""The training state and its sharded initialisation.
+
+Parameters are never materialised whole on one host: `jax.eval_shape` gives the abstract state and its
+logical axes, `logical_axis_rules` turn those into shardings, and a jitted init with out_shardings
+creates every array already in place.
+"""
+
+import dataclasses
+
+import jax
+import optax
+from flax import linen as nn
+from flax import struct
+from jax.sharding import Mesh
+
+from MaxText import sharding
+from MaxText.layers import models
+from MaxText.pyconfig import Config
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # number of completed optimizer steps
+  params: dict
+  opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+  """The abstract train state (ShapeDtypeStructs carrying shardings) and the matching shardings."""
+
+  abstract: TrainState
+  shardings: TrainState
+
+
+def init_params(model: nn.Module, config: Config, rng: jax.Array):
+  """Boxed (logically partitioned) params of `model`, for a batch of one row."""
+  tokens, segments, positions = models.init_inputs(1, config.max_target_length)
+  return model.init({"params": rng, "dropout": rng}, tokens, segments, positions)["params"]
+
+
+def _boxed_state(model, config, tx, rng) -> TrainState:
+  params = init_params(model, config, rng)
+  return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params))
+
+
+def state_layout(model: nn.Module, config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateLayout:
+  """Shapes, dtypes and shardings of the train state, computed without allocating it."""
+  boxed = jax.eval_shape(lambda rng: _boxed_state(model, config, tx, rng), jax.random.key(0))
+  shardings = sharding.tree_shardings(nn.get_partition_spec(boxed), mesh, config)
+  abstract = jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.meta.unbox(boxed), shardings
+  )
+  return StateLayout(abstract=abstract, shardings=shardings)
+
+
+def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
+  """A fresh train state from init_weights_seed, created directly with its shardings."""
+  init = jax.jit(lambda rng: nn.meta.unbox(_boxed_state(model, config, tx, rng)), out_shardings=layout.shardings)
+  return init(jax.random.key(config.init_weights_seed))
+
+
+def state_from_params(params, tx, layout: StateLayout) -> TrainState:
+  """A train state at step 0 around given params: a fresh optimizer state."""
+  fresh = jax.jit(
+      lambda p: TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=p, opt_state=tx.init(p)),
+      out_shardings=layout.shardings,
+  )
+  return fresh(params)

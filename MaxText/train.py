@@ -1,0 +1,259 @@
+"""Training: `python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME [key=value ...]`.
+
+The loss, the train step and the loop, top to bottom. Set-up lives in pyconfig, sharding, state,
+checkpointing, input_pipeline and metrics.
+"""
+
+import time
+
+_PROCESS_START = time.time()
+
+# pylint: disable=wrong-import-position
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import yaml  # noqa: E402
+
+from MaxText import checkpointing, input_pipeline, metrics, optimizers, pyconfig, sharding  # noqa: E402
+from MaxText import state as state_lib  # noqa: E402
+from MaxText.layers import models  # noqa: E402
+from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+
+
+# ---------------------------------------------------------------------------------------------- the math
+def loss_fn(model, params, batch, dropout_rng, deterministic=False):
+  """Summed token cross-entropy (float32) over non-padding targets, and the number of those targets.
+
+  batch: inputs, inputs_segmentation, inputs_position, targets, targets_segmentation [batch, length].
+  Returning the sum (not the mean) lets micro-batches add up to exactly the full batch's loss.
+  """
+  logits_BLV = model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["inputs_segmentation"],
+      batch["inputs_position"],
+      deterministic=deterministic,
+      rngs={"dropout": dropout_rng},
+  ).astype(jnp.float32)
+  xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+  mask_BL = batch["targets_segmentation"] != 0
+  return jnp.sum(jnp.where(mask_BL, xent_BL, 0.0)), jnp.sum(mask_BL)
+
+
+def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState, batch):
+  """One optimizer step over the global batch, split into gradient_accumulation_steps micro-batches.
+
+  Gradients of the summed loss are added over micro-batches and divided once by the total number of
+  target tokens, so k micro-batches of b rows give the same update as one batch of k*b rows.
+  """
+  dropout_rng = jax.random.fold_in(jax.random.key(config.init_weights_seed), state.step)
+  grad_fn = jax.value_and_grad(lambda p, b, r: loss_fn(model, p, b, r), has_aux=True)
+  k = config.gradient_accumulation_steps
+  if k == 1:
+    (loss_sum, num_tokens), grads = grad_fn(state.params, batch, dropout_rng)
+  else:
+    # Row r of the global batch goes to micro-batch r % k: each device keeps its own rows.
+    micro = jax.tree_util.tree_map(lambda x: jnp.swapaxes(x.reshape(-1, k, *x.shape[1:]), 0, 1), batch)
+
+    def accumulate(carry, i_and_batch):
+      i, micro_batch = i_and_batch
+      (loss_i, tokens_i), grads_i = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, i))
+      loss_sum, num_tokens, grads = carry
+      grads = jax.tree_util.tree_map(lambda g, gi: g + gi.astype(jnp.float32), grads, grads_i)
+      return (loss_sum + loss_i, num_tokens + tokens_i, grads), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
+    (loss_sum, num_tokens, grads), _ = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
+
+  denominator = jnp.maximum(num_tokens, 1).astype(jnp.float32)
+  grads = jax.tree_util.tree_map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+  step_metrics = {
+      "learning/loss": loss_sum / denominator,
+      "learning/grad_norm": optax.global_norm(grads),
+      "learning/param_norm": optax.global_norm(new_state.params),
+      "learning/current_learning_rate": schedule(state.step),
+      "learning/total_weights": num_tokens,
+  }
+  return new_state, step_metrics
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+def configure_jax(values) -> None:
+  """Platform and persistent compilation cache; must run before the first device query."""
+  if "JAX_PLATFORMS" not in os.environ:
+    jax.config.update("jax_platforms", PLATFORMS[values["hardware"]])
+  if values["jax_cache_dir"]:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
+    # Cache every executable: on small models compilation, not execution, dominates start-up.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def load_config(argv) -> Config:
+  values = pyconfig.parse(argv)
+  configure_jax(values)
+  try:
+    devices = jax.devices()
+  except RuntimeError as e:
+    raise ConfigError(
+        f"hardware={values['hardware']}: no such JAX backend here ({str(e).splitlines()[0][:120]}); "
+        "install its jaxlib (setup.sh DEVICE=gpu) or set hardware=cpu"
+    ) from None
+  return pyconfig.finalize(values, num_devices=len(devices), num_slices=sharding.count_slices(devices))
+
+
+def write_resolved_config(config: Config, directory: str) -> None:
+  if jax.process_index() == 0:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.yml"), "w", encoding="utf-8") as f:
+      yaml.safe_dump(config.as_dict(), f, sort_keys=True)
+
+
+class TrainingError(RuntimeError):
+  """Training cannot go on (e.g. the loss is NaN); the message says why and what to try."""
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def train(config: Config, devices=None) -> dict:
+  """Runs the training loop on `devices` (default: all); returns a summary (losses, step times, ...)."""
+  mesh = sharding.create_mesh(config, devices)
+  missing = sharding.missing_rules(config)
+  if missing:
+    raise ConfigError(f"logical_axis_rules has no rule for {missing}; add [name, [mesh axes]] entries for them")
+  model = models.Transformer(config, mesh)
+  schedule = optimizers.learning_rate_schedule(config)
+  tx = optimizers.create_optimizer(config, schedule)
+  layout = state_lib.state_layout(model, config, tx, mesh)
+  if config.load_parameters_path:  # Fail before any work if the path is wrong.
+    checkpointing._items_path("load_parameters_path", config.load_parameters_path)  # pylint: disable=protected-access
+  if config.load_full_state_path:
+    checkpointing._items_path("load_full_state_path", config.load_full_state_path)  # pylint: disable=protected-access
+
+  run_dir = checkpointing.run_dir(config)
+  manager = checkpointing.create_manager(config)
+  start = checkpointing.restore_or_init(config, manager, model, tx, layout)
+  state = start.state
+  first_step = int(jax.device_get(state.step))
+  num_params = metrics.count_params(layout.abstract.params)
+  write_resolved_config(config, run_dir)
+  log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; starting from {start.source}")
+  if first_step >= config.steps:
+    log(f"Nothing to do: the run is already at step {first_step} of steps={config.steps}.")
+    return {"steps_run": 0}
+
+  batch_sharding = sharding.batch_sharding(mesh, config)
+  step_fn = jax.jit(
+      lambda s, b: train_step(model, config, tx, schedule, s, b),
+      in_shardings=(layout.shardings, batch_sharding),
+      out_shardings=(layout.shardings, sharding.logical_sharding((), mesh, config)),
+      donate_argnums=(0,),
+  )
+  data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
+  writer = metrics.MetricWriter(config, run_dir)
+  flops = metrics.training_flops_per_device(config)
+  device_kind = jax.devices()[0].device_kind
+  peak = metrics.peak_tflops(device_kind, config.cpu_peak_tflops)
+  tokens_per_device = config.global_batch_size * config.max_target_length / config.num_devices
+  profile_start = config.skip_first_n_steps_for_profiler
+  profile_stop = profile_start + config.profiler_steps
+
+  step_times, losses = [], []
+  last_time, last_step = time.time(), first_step
+  summary = {"first_step": first_step}
+  try:
+    for step in range(first_step, config.steps):
+      if config.profiler == "xplane" and step == profile_start:
+        jax.profiler.start_trace(os.path.join(run_dir, "tensorboard"))
+      state, step_metrics = step_fn(state, next(data))
+      completed = step + 1
+      if config.profiler == "xplane" and completed == profile_stop:
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+      save_now = manager is not None and (completed % config.checkpoint_period == 0 or completed == config.steps)
+      if completed % config.log_period and not save_now and completed != config.steps:
+        continue
+      scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+      now = time.time()
+      step_time = (now - last_time) / (completed - last_step)
+      if step == first_step:
+        summary["time_to_first_step"] = now - _PROCESS_START
+      else:
+        step_times.extend([step_time] * (completed - last_step))
+      last_time, last_step = now, completed
+      loss = scalars["learning/loss"]
+      if not math.isfinite(loss):
+        latest = manager.latest_step() if manager is not None else None
+        raise TrainingError(
+            f"loss={loss} at step {step}; lower learning_rate (now {config.learning_rate}) or set "
+            f"gradient_clipping_threshold; last good checkpoint: {latest}"
+        )
+      losses.append((step, loss))
+      achieved = flops.total / step_time / 1e12
+      scalars.update({
+          "perf/step_time_seconds": step_time,
+          "perf/per_device_tflops_per_sec": achieved,
+          "perf/per_device_tokens_per_sec": tokens_per_device / step_time,
+          "perf/mfu": None if peak is None else achieved / peak,
+      })
+      log(metrics.format_step(step, scalars))
+      writer.write(step, scalars)
+      if save_now and checkpointing.save(manager, state):
+        log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(config)}")
+  finally:
+    if manager is not None:
+      manager.wait_until_finished()
+      manager.close()
+    writer.close()
+
+  memory, memory_kind = metrics.peak_memory_bytes()
+  steps_run = config.steps - first_step
+  summary.update({
+      "steps_run": steps_run,
+      "losses": losses,
+      "total_tokens": steps_run * config.global_batch_size * config.max_target_length,
+      "median_step_time": metrics.median(step_times),
+      "peak_memory_bytes": memory,
+  })
+  log(
+      f"Done: {summary['total_tokens']} tokens in {steps_run} steps; median step time "
+      f"{summary['median_step_time']:.3f} s (steps after the first); peak memory {memory / 2**30:.2f} GiB "
+      f"({memory_kind}); time to first step {summary.get('time_to_first_step', float('nan')):.1f} s"
+  )
+  return summary
+
+
+def log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def main(argv) -> int:
+  try:
+    config = load_config(argv[1:])
+    if config.log_config:
+      log("Config: " + " ".join(f"{k}={v}" for k, v in sorted(config.as_dict().items()) if k != "logical_axis_rules"))
+    train(config)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+  except TrainingError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
