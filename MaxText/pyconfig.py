@@ -146,6 +146,11 @@ def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
       value = yaml.safe_load(value) if value != "" else ""
     except yaml.YAMLError:
       pass
+  if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+    try:  # YAML 1.1 reads "1e-3" as a string.
+      value = float(value)
+    except ValueError:
+      pass
   if isinstance(default, bool):
     if isinstance(value, str) and value.lower() in ("true", "false"):
       return value.lower() == "true"

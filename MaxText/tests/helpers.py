@@ -1,0 +1,27 @@
+"""Small shared helpers for the tests."""
+
+import os
+
+from MaxText import pyconfig
+
+BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A tiny float32 model: GQA (4 query heads over 2 KV heads), 2 layers, 64 tokens per row.
+TINY = (
+    "model_name=tiny",
+    "dtype=float32",
+    "max_target_length=64",
+    "enable_checkpointing=false",
+    "enable_tensorboard=false",
+    "log_config=false",
+    "jax_cache_dir=",
+    "matmul_precision=highest",
+)
+
+
+def config(*overrides, num_devices=1, **kw):
+  """A Config of the tiny test model with `key=value` overrides."""
+  values = dict(arg.split("=", 1) for arg in ("run_name=test", *TINY, *overrides))
+  values.update({k: str(v) for k, v in kw.items()})
+  return pyconfig.load([BASE_YML, *(f"{k}={v}" for k, v in values.items())], num_devices=num_devices, env={})

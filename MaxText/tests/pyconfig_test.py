@@ -1,0 +1,109 @@
+"""Config parsing: precedence, types, presets, derived values, and one-line errors for bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from MaxText import pyconfig, train
+from MaxText.pyconfig import ConfigError
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
+
+
+def test_overrides_are_typed_and_frozen():
+  cfg = config("per_device_batch_size=3", "scan_layers=False", "learning_rate=1e-3", "mlp_activations=['gelu','linear']", "override_model_config=true")
+  assert cfg.per_device_batch_size == 3.0 and isinstance(cfg.per_device_batch_size, float)
+  assert cfg.scan_layers is False
+  assert cfg.learning_rate == 1e-3
+  assert cfg.mlp_activations == ("gelu", "linear")
+  with pytest.raises(AttributeError):
+    cfg.steps = 3
+
+
+def test_precedence_env_and_base_config(tmp_path):
+  child = tmp_path / "child.yml"
+  child.write_text(f"base_config: {BASE_YML}\nsteps: 7\nlearning_rate: 0.5\n")
+  values = pyconfig.parse([str(child), "learning_rate=0.25"], env={"M_LOG_PERIOD": "9"})
+  assert (values["steps"], values["learning_rate"], values["log_period"]) == (7, 0.25, 9)
+  with pytest.raises(ConfigError, match="log_period is set both"):
+    pyconfig.parse([str(child), "log_period=3"], env={"M_LOG_PERIOD": "9"})
+
+
+def test_model_preset_and_override_rule():
+  values = pyconfig.parse([BASE_YML, "model_name=llama2-70b"], env={})
+  assert (values["base_emb_dim"], values["base_num_kv_heads"], values["base_num_decoder_layers"]) == (8192, 8, 80)
+  with pytest.raises(ConfigError, match="base_emb_dim is set by model_name=llama2-70b"):
+    pyconfig.parse([BASE_YML, "model_name=llama2-70b", "base_emb_dim=128"], env={})
+  values = pyconfig.parse([BASE_YML, "model_name=llama2-70b", "base_emb_dim=128", "override_model_config=true"], env={})
+  assert values["base_emb_dim"] == 128
+
+
+@pytest.mark.parametrize(
+    "scale, expected", [(1, (64, 4, 2, 128, 2)), (2, (64, 8, 4, 256, 2)), (4, (128, 8, 4, 256, 2)), (8, (128, 8, 4, 256, 4))]
+)
+def test_global_parameter_scale(scale, expected):
+  """MaxText's split: log2(scale) = 3*base + rem; heads/mlp grow first, then emb, then layers."""
+  cfg = config(f"global_parameter_scale={scale}", "base_emb_dim=64", "base_mlp_dim=128", override_model_config="true")
+  assert (cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.mlp_dim, cfg.num_decoder_layers) == expected
+
+
+def test_derived_mesh_and_batch():
+  cfg = config("ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2", "per_device_batch_size=1", num_devices=8)
+  axes = dict(zip(cfg.mesh_axes, cfg.mesh_shape))
+  assert axes == {"data": 1, "stage": 1, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
+  assert cfg.micro_batch_size == 8 and cfg.global_batch_size == 8
+  cfg = config("gradient_accumulation_steps=4", "per_device_batch_size=0.5", "ici_tensor_parallelism=2", num_devices=8)
+  assert cfg.micro_batch_size == 4 and cfg.global_batch_size == 16
+  cfg = config("steps=100", "warmup_steps_fraction=0.25")
+  assert (cfg.learning_rate_schedule_steps, cfg.warmup_steps) == (100, 25)
+
+
+def test_every_base_key_has_a_comment():
+  with open(BASE_YML, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  for line in lines:
+    if line and not line.startswith((" ", "#", "]")) and ":" in line and not line.rstrip().endswith("["):
+      key = line.split(":")[0]
+      assert "#" in line, f"base.yml key {key} has no comment"
+
+
+BAD = [
+    (["modle_name=tiny"], "modle_name"),
+    (["steps=ten"], "steps"),
+    (["scan_layers=maybe"], "scan_layers"),
+    (["remat_policy=sometimes"], "remat_policy"),
+    (["dtype=int8"], "dtype"),
+    (["ici_tensor_parallelism=3"], "parallelism"),
+    (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "parallelism"),
+    (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=-1"], "num_kv_heads"),
+    (["per_device_batch_size=0.1"], "per_device_batch_size"),
+    (["base_num_kv_heads=3", "override_model_config=true"], "base_num_kv_heads"),
+    (["base_emb_dim=64"], "base_emb_dim"),
+    (["model_name=llama9"], "model_name"),
+    (["run_name="], "run_name"),
+    (["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], "ici_expert_parallelism"),
+    (["load_parameters_path=/nonexistent/checkpoint"], "load_parameters_path"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_config_exits_2_with_one_line(overrides, key, tmp_path, capsys):
+  argv = ["train.py", BASE_YML, "run_name=bad", "model_name=tiny", f"base_output_directory={tmp_path}/out", "jax_cache_dir="]
+  argv += overrides
+  assert train.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith("error: ") and key in err, err
+  assert not os.path.exists(tmp_path / "out"), "a rejected config must not create anything"
+
+
+def test_missing_yml_from_the_command_line(tmp_path):
+  """A real process: exit code 2, one line on stderr, no traceback."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(
+      [sys.executable, "MaxText/train.py", str(tmp_path / "missing.yml"), "run_name=x"],
+      cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env, check=False,
+  )
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr
+  assert "Traceback" not in proc.stderr
