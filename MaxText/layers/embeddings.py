@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from MaxText import common_types as ct
@@ -36,25 +37,26 @@ class Embed(nn.Module):
     )
 
 
-def rope_frequencies(config: Config, head_dim: int) -> jax.Array:
-  """Angular frequency of each rotated pair, [head_dim // 2], float32.
+def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
+  """Angular frequency of each rotated pair, [head_dim // 2], computed in float64 and returned as float32.
 
   timescale_i = min * (max / min) ** (2i / head_dim) (RoFormer, Su et al. 2021, arXiv:2104.09864, with
   theta = rope_max_timescale). rope_type=llama3.1 rescales low frequencies as in Llama 3.1 (arXiv:2407.21783,
   and Meta's reference `apply_scaling`): wavelengths above original_len / low_freq_factor are divided by
   `rope_scaling_factor`, those below original_len / high_freq_factor kept, and the band between blended.
+  The frequencies depend only on the config, so they are constants of the compiled program.
   """
-  fraction = 2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  fraction = 2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim
   lo, hi = float(config.rope_min_timescale), float(config.rope_max_timescale)
   freq = 1.0 / (lo * (hi / lo) ** fraction)
   if config.rope_type == "llama3.1":
     old_len = float(config.rope_original_max_position)
     low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_scaling_factor
-    wavelen = 2.0 * jnp.pi / freq
+    wavelen = 2.0 * np.pi / freq
     smooth = (old_len / wavelen - low) / (high - low)
     blended = (1.0 - smooth) * freq / factor + smooth * freq
-    freq = jnp.where(wavelen < old_len / high, freq, jnp.where(wavelen > old_len / low, freq / factor, blended))
-  return freq
+    freq = np.where(wavelen < old_len / high, freq, np.where(wavelen > old_len / low, freq / factor, blended))
+  return freq.astype(np.float32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array) -> jax.Array:

@@ -1,0 +1,181 @@
+"""The decoder: causality, segment isolation, RoPE, scanned vs unrolled layers and every remat policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from MaxText import pyconfig, train
+from MaxText.layers import embeddings, models
+from MaxText.tests.helpers import config
+
+
+def _init(cfg, batch=2):
+  model = models.Transformer(cfg)
+  tokens, segments, positions = models.init_inputs(batch, cfg.max_target_length)
+  params = nn.meta.unbox(model.init({"params": jax.random.key(0)}, tokens, segments, positions))["params"]
+  return model, params
+
+
+def _batch(cfg, batch=2, seed=1):
+  rng = np.random.default_rng(seed)
+  length = cfg.max_target_length
+  tokens = rng.integers(0, cfg.vocab_size, (batch, length + 1)).astype(np.int32)
+  ones = np.ones((batch, length), np.int32)
+  return {
+      "inputs": tokens[:, :-1],
+      "inputs_segmentation": ones,
+      "inputs_position": np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)),
+      "targets": tokens[:, 1:],
+      "targets_segmentation": ones,
+  }
+
+
+def test_causality_gradient_is_exactly_zero():
+  """d logits[i] / d input[j] == 0 exactly for every j > i."""
+  cfg = config("max_target_length=16")
+  model, params = _init(cfg, batch=1)
+  batch = _batch(cfg, batch=1)
+  x = jax.random.normal(jax.random.key(3), (1, 16, cfg.emb_dim))
+
+  def logits_sum_at(i, x):
+    out = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
+                      input_embeddings=x)
+    return jnp.sum(out[0, i])
+
+  for i in (0, 5, 15):
+    grad = np.asarray(jax.grad(logits_sum_at, argnums=1)(i, x))[0]  # [length, embed]
+    assert np.all(grad[i + 1 :] == 0.0), f"position {i} sees the future"
+    assert np.any(grad[: i + 1] != 0.0), "the check must be able to fail: the past is visible"
+
+
+def test_segments_do_not_attend_to_each_other():
+  """In a packed row [doc A | doc B], A's logits ignore B, and B's equal B decoded alone."""
+  cfg = config("max_target_length=16")
+  model, params = _init(cfg, batch=1)
+  rng = np.random.default_rng(0)
+  a, b, b2 = (rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (6, 10, 10))
+  segments = np.array([[1] * 6 + [2] * 10], np.int32)
+  positions = np.array([list(range(6)) + list(range(10))], np.int32)
+
+  def run(tokens, seg, pos):
+    return np.asarray(model.apply({"params": params}, jnp.asarray(tokens)[None] if tokens.ndim == 1 else tokens, seg, pos))
+
+  packed = run(np.concatenate([a, b]), segments, positions)
+  packed_other = run(np.concatenate([a, b2]), segments, positions)
+  np.testing.assert_array_equal(packed[0, :6], packed_other[0, :6])
+  alone = run(b, np.ones((1, 10), np.int32), np.arange(10, dtype=np.int32)[None])
+  np.testing.assert_allclose(packed[0, 6:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def _rope_reference(x, positions, theta, scaling=None):
+  """Float64 RoPE in the Hugging Face Llama layout, with Meta's Llama 3.1 `apply_scaling` written as loops."""
+  d = x.shape[-1]
+  freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+  if scaling:
+    factor, low, high, old = scaling
+    new = []
+    for f in freqs:
+      wavelen = 2 * np.pi / f
+      if wavelen < old / high:
+        new.append(f)
+      elif wavelen > old / low:
+        new.append(f / factor)
+      else:
+        smooth = (old / wavelen - low) / (high - low)
+        new.append((1 - smooth) * f / factor + smooth * f)
+    freqs = np.array(new)
+  angle = positions[..., None, None] * freqs
+  cos, sin = np.concatenate([np.cos(angle)] * 2, -1), np.concatenate([np.sin(angle)] * 2, -1)
+  rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
+  return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("rope_type", ["default", "llama3.1"])
+def test_rope_matches_float64_reference(rope_type):
+  cfg = config("head_dim=64", f"rope_type={rope_type}", "rope_max_timescale=500000", override_model_config="true")
+  x = np.random.default_rng(0).normal(size=(2, 40, 3, 64))
+  positions = np.stack([np.arange(40), np.arange(1000, 1040)])
+  out = embeddings.apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions), embeddings.rope_frequencies(cfg, 64))
+  scaling = (8.0, 1.0, 4.0, 8192.0) if rope_type == "llama3.1" else None
+  expected = _rope_reference(x, positions, 500000.0, scaling)
+  # Row 0 (positions < 40) must agree to float32 rounding. Row 1 forms angles up to ~1040 rad in float32,
+  # whose rounding (half an ulp) moves an output by at most |x| * ulp(1040): the bound used there.
+  np.testing.assert_allclose(np.asarray(out)[0], expected[0], rtol=1e-5, atol=1e-5)
+  bound = np.abs(x).max() * np.spacing(np.float32(1040.0))
+  np.testing.assert_allclose(np.asarray(out)[1], expected[1], rtol=0, atol=bound)
+
+
+def _loss_and_grads(cfg, params, batch):
+  model = models.Transformer(cfg)
+  fn = jax.jit(jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
+  return fn(params)
+
+
+def _unstack_layers(params, num_layers):
+  """Scanned params (leading `layers` axis under 'layers') -> unrolled params ('layers_0', ...)."""
+  params = dict(params)
+  stacked = params.pop("layers")
+  for i in range(num_layers):
+    params[f"layers_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
+  return params
+
+
+@pytest.mark.parametrize("remat_policy", list(pyconfig.CHOICES["remat_policy"]))
+def test_scanned_unrolled_and_remat_policies_agree(remat_policy):
+  """Loss and gradients of (scan, policy) equal those of the unrolled model without remat (float32)."""
+  reference_cfg = config("scan_layers=false", "remat_policy=none", "max_target_length=32")
+  cfg = config("scan_layers=true", f"remat_policy={remat_policy}", "max_target_length=32")
+  _, params = _init(cfg)
+  batch = _batch(cfg)
+  loss, grads = _loss_and_grads(cfg, params, batch)
+  ref_loss, ref_grads = _loss_and_grads(reference_cfg, _unstack_layers(params, cfg.num_decoder_layers), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  flat = jax.tree_util.tree_leaves_with_path(_unstack_layers(grads, cfg.num_decoder_layers))
+  ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
+  for path, g in flat:
+    np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_unrolled_remat_matches_no_remat():
+  cfg = config("scan_layers=false", "remat_policy=full", "max_target_length=32")
+  reference_cfg = config("scan_layers=false", "remat_policy=none", "max_target_length=32")
+  _, params = _init(cfg)
+  batch = _batch(cfg)
+  (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, params, batch), _loss_and_grads(reference_cfg, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def test_tied_embeddings_share_one_table():
+  cfg = config("logits_via_embedding=true", override_model_config="true")
+  model, params = _init(cfg, batch=1)
+  assert "logits_dense" not in params
+  batch = _batch(cfg, batch=1)
+  x = np.asarray(model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"]))
+  assert x.shape == (1, cfg.max_target_length, cfg.vocab_size)
+
+
+def test_bf16_activations_over_fp32_weights():
+  cfg = config("dtype=bfloat16", "weight_dtype=float32")
+  model, params = _init(cfg, batch=1)
+  assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+  batch = _batch(cfg, batch=1)
+  out = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+  assert out.dtype == jnp.bfloat16
+  ref = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_dropout_is_active_only_in_training():
+  cfg = config("dropout_rate=0.5")
+  model, params = _init(cfg, batch=1)
+  batch = _batch(cfg, batch=1)
+
+  def run(deterministic, seed):
+    return np.asarray(model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
+                                  deterministic=deterministic, rngs={"dropout": jax.random.key(seed)}))
+
+  np.testing.assert_array_equal(run(True, 0), run(True, 1))
+  assert not np.allclose(run(False, 0), run(False, 1))
