@@ -82,8 +82,8 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
   step_metrics = {
       "learning/loss": loss_sum / denominator,
-      "learning/grad_norm": optax.global_norm(grads),
-      "learning/param_norm": optax.global_norm(new_state.params),
+      "learning/grad_norm": optax.tree.norm(grads),
+      "learning/param_norm": optax.tree.norm(new_state.params),
       "learning/current_learning_rate": schedule(state.step),
       "learning/total_weights": num_tokens,
   }
