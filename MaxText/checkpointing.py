@@ -73,8 +73,36 @@ def _restore_error(where: str, error: Exception) -> ConfigError:
   )
 
 
+def _leaf_name(path) -> str:
+  """Orbax's name of a pytree leaf: its keys joined by dots (e.g. params.decoder_norm.scale)."""
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_compatible(path: str, target) -> None:
+  """Raises ConfigError unless every leaf of `target` is stored at `path` with the same shape.
+
+  Checked from the checkpoint's metadata before restoring, so a mismatch is one clear line rather than a
+  failure inside Orbax's restore.
+  """
+  try:
+    metadata = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}); is it a complete Orbax checkpoint?") from None
+  stored = {_leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(metadata)}
+  for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(target):
+    name = _leaf_name(leaf_path)
+    if name not in stored:
+      raise ConfigError(f"checkpoint {path} has no {name}; use the model config it was saved with, or a new run_name")
+    if tuple(stored[name]) != tuple(leaf.shape):
+      raise ConfigError(
+          f"checkpoint {path} stores {name} with shape {tuple(stored[name])} but this config needs "
+          f"{tuple(leaf.shape)}; use the model config it was saved with, or a new run_name"
+      )
+
+
 def _restore_tree(path: str, target):
   """Restores the parts of the pytree at `path` named by `target` (abstract, with shardings)."""
+  check_compatible(path, target)
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
     return checkpointer.restore(
@@ -102,6 +130,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
   """The state a run starts from, by the rules in this module's docstring."""
   latest = manager.latest_step() if manager is not None else None
   if latest is not None:
+    check_compatible(os.path.join(checkpoint_dir(config), str(latest), ITEM), layout.abstract)
     target = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(layout.abstract)})
     try:
       state = manager.restore(latest, args=target)[ITEM]

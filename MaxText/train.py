@@ -9,6 +9,7 @@ import time
 _PROCESS_START = time.time()
 
 # pylint: disable=wrong-import-position
+import logging  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -144,6 +145,16 @@ def train(config: Config, devices=None) -> dict:
 
   run_dir = checkpointing.run_dir(config)
   manager = checkpointing.create_manager(config)
+  try:
+    return _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir)
+  finally:
+    if manager is not None:
+      manager.wait_until_finished()
+      manager.close()
+
+
+def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> dict:
+  """The loop proper: restore or init, then step, log and checkpoint until `steps`."""
   start = checkpointing.restore_or_init(config, manager, model, tx, layout)
   state = start.state
   first_step = int(jax.device_get(state.step))
@@ -213,9 +224,6 @@ def train(config: Config, devices=None) -> dict:
       if save_now and checkpointing.save(manager, state):
         log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(config)}")
   finally:
-    if manager is not None:
-      manager.wait_until_finished()
-      manager.close()
     writer.close()
 
   memory, memory_kind = metrics.peak_memory_bytes()
@@ -241,6 +249,7 @@ def log(message: str) -> None:
 
 
 def main(argv) -> int:
+  logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
   try:
     config = load_config(argv[1:])
     if config.log_config:

@@ -20,8 +20,13 @@ TINY = (
 )
 
 
-def config(*overrides, num_devices=1, **kw):
-  """A Config of the tiny test model with `key=value` overrides."""
-  values = dict(arg.split("=", 1) for arg in ("run_name=test", *TINY, *overrides))
+def overrides(*args, **kw) -> list[str]:
+  """`key=value` arguments of the tiny test model, later ones replacing earlier ones."""
+  values = dict(arg.split("=", 1) for arg in ("run_name=test", *TINY, *args))
   values.update({k: str(v) for k, v in kw.items()})
-  return pyconfig.load([BASE_YML, *(f"{k}={v}" for k, v in values.items())], num_devices=num_devices, env={})
+  return [f"{k}={v}" for k, v in values.items()]
+
+
+def config(*args, num_devices=1, **kw):
+  """A Config of the tiny test model with `key=value` overrides."""
+  return pyconfig.load([BASE_YML, *overrides(*args, **kw)], num_devices=num_devices, env={})

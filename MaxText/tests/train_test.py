@@ -1,0 +1,177 @@
+"""The train step and the loop: gradient accumulation, resume exactness, checkpoints across meshes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import train
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
+from MaxText.tests.helpers import overrides as overrides_of
+
+
+def _losses(summary):
+  return np.array([loss for _, loss in summary["losses"]])
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+  """4 micro-batches of 2 rows give the same losses and update as one batch of 8 rows (float32)."""
+  common = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "ici_fsdp_parallelism=2")
+  big = config(*common, "per_device_batch_size=4", num_devices=2)
+  accumulated = config(*common, "per_device_batch_size=1", "gradient_accumulation_steps=4", num_devices=2)
+  assert big.global_batch_size == accumulated.global_batch_size == 8
+  devices = jax.devices()[:2]
+  np.testing.assert_allclose(_losses(train.train(accumulated, devices)), _losses(train.train(big, devices)), rtol=1e-5)
+
+
+def _run_cli(tmp_path, *args, wait=True):
+  args = [sys.executable, "MaxText/train.py", BASE_YML, *overrides_of("enable_checkpointing=true", f"base_output_directory={tmp_path}", *args)]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  if not wait:  # Output to a file: an unread pipe could fill and stall the run.
+    with open(f"{tmp_path}/background.log", "w", encoding="utf-8") as log:
+      return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+  proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  out, err = proc.communicate(timeout=300)
+  return proc.returncode, out, err
+
+
+def _metrics(path):
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+# Slow enough per step (~10 ms) that a kill lands mid-run; 2 devices, async saves every 10 steps.
+KILL_RUN = ("max_target_length=128", "per_device_batch_size=4", "steps=120", "checkpoint_period=10", "log_period=1")
+
+
+def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
+  rc, _, err = _run_cli(tmp_path, "run_name=straight", *KILL_RUN, f"metrics_file={tmp_path}/straight.jsonl")
+  assert rc == 0, err
+  straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "straight.jsonl")}
+  assert sorted(straight) == list(range(120))
+  for key in ("learning/loss", "learning/grad_norm", "learning/current_learning_rate", "perf/step_time_seconds",
+              "perf/per_device_tflops_per_sec", "perf/per_device_tokens_per_sec"):
+    assert key in _metrics(tmp_path / "straight.jsonl")[0]
+
+  metrics_file = tmp_path / "killed.jsonl"
+  proc = _run_cli(tmp_path, "run_name=killed", *KILL_RUN, f"metrics_file={metrics_file}", wait=False)
+  checkpoints = tmp_path / "killed" / "checkpoints"
+  deadline = time.time() + 120
+  while time.time() < deadline and not (checkpoints / "30").is_dir():
+    time.sleep(0.01)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.communicate()
+  killed_at = len(_metrics(metrics_file))
+  assert killed_at < 120, "the run finished before it was killed; the test needs slower steps"
+
+  rc, out, err = _run_cli(tmp_path, "run_name=killed", *KILL_RUN, f"metrics_file={metrics_file}")
+  assert rc == 0, err
+  assert "resumed from" in out
+  records = _metrics(metrics_file)
+  resumed = [m for m in records[killed_at:]]
+  assert resumed[0]["step"] % 10 == 0 and resumed[0]["step"] <= killed_at
+  assert resumed[-1]["step"] == 119
+  for m in resumed:
+    assert m["learning/loss"] == straight[m["step"]], f"step {m['step']} differs after resume"
+
+
+def test_interrupted_save_is_never_taken_as_a_checkpoint(tmp_path):
+  rc, _, err = _run_cli(tmp_path, "run_name=r", "steps=4", "checkpoint_period=2")
+  assert rc == 0, err
+  checkpoints = tmp_path / "r" / "checkpoints"
+  # What a save cut short leaves behind: Orbax's temporary folder, not yet renamed to its step.
+  partial = checkpoints / "6.orbax-checkpoint-tmp-1234567"
+  partial.mkdir()
+  (partial / "items").mkdir()
+  rc, out, err = _run_cli(tmp_path, "run_name=r", "steps=6", "checkpoint_period=2")
+  assert rc == 0, err
+  assert f"resumed from {checkpoints}/4" in out
+  assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "6"]
+
+
+def test_restore_on_another_mesh(tmp_path):
+  """A checkpoint written under fsdp=8 resumes under fsdp=4 x tensor=2 with the uninterrupted losses."""
+  common = ("learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=1", "enable_checkpointing=true",
+            "async_checkpointing=false", f"base_output_directory={tmp_path}", "checkpoint_period=2",
+            "learning_rate_schedule_steps=4")
+  straight = _losses(train.train(config(*common, "run_name=a", "steps=4", "ici_fsdp_parallelism=8", num_devices=8)))
+  train.train(config(*common, "run_name=b", "steps=2", "ici_fsdp_parallelism=8", num_devices=8))
+  resumed = train.train(config(*common, "run_name=b", "steps=4", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
+                               num_devices=8))
+  assert resumed["first_step"] == 2
+  np.testing.assert_allclose(_losses(resumed), straight[2:], rtol=1e-5)
+
+
+def test_load_parameters_then_fresh_optimizer(tmp_path):
+  common = ("enable_checkpointing=true", "async_checkpointing=false", f"base_output_directory={tmp_path}")
+  train.train(config(*common, "run_name=src", "steps=3", "learning_rate=1e-2", num_devices=1), jax.devices()[:1])
+  path = f"{tmp_path}/src/checkpoints/3/items"
+  loaded = train.train(config(*common, "run_name=dst", "steps=1", f"load_parameters_path={path}", num_devices=1),
+                       jax.devices()[:1])
+  fresh = train.train(config(*common, "run_name=dst2", "steps=1", num_devices=1), jax.devices()[:1])
+  assert loaded["first_step"] == 0 and _losses(loaded)[0] < _losses(fresh)[0]
+  full = train.train(config(*common, "run_name=dst3", "steps=4", f"load_full_state_path={path}", num_devices=1),
+                     jax.devices()[:1])
+  assert full["first_step"] == 3
+
+
+def test_incompatible_checkpoint_exits_2_and_keeps_it(tmp_path):
+  rc, _, err = _run_cli(tmp_path, "run_name=r", "steps=2")
+  assert rc == 0, err
+  before = sorted(os.listdir(tmp_path / "r" / "checkpoints"))
+  rc, out, err = _run_cli(tmp_path, "run_name=r", "steps=4", "base_emb_dim=48", "override_model_config=true")
+  assert rc == 2 and "stores params" in err and "Traceback" not in err, err
+  assert len(err.strip().splitlines()) == 1
+  assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == before
+
+
+def test_nan_loss_stops_with_one_line(tmp_path):
+  rc, _, err = _run_cli(tmp_path, "run_name=nan", "steps=5", "learning_rate=1e30", "gradient_clipping_threshold=0",
+                        "adam_eps=0", "adam_eps_root=0", "checkpoint_period=1")
+  assert rc == 1 and "loss=nan" in err and "learning_rate" in err and "Traceback" not in err, err
+  saved = os.listdir(tmp_path / "nan" / "checkpoints")
+  assert all(not name.endswith("5") for name in saved)
+
+
+def test_synthetic_batches_depend_only_on_seed_and_step():
+  from MaxText.input_pipeline.synthetic import synthetic_rows
+
+  whole = synthetic_rows(0, 7, range(8), 16, 100)
+  halves = [synthetic_rows(0, 7, range(0, 4), 16, 100), synthetic_rows(0, 7, range(4, 8), 16, 100)]
+  np.testing.assert_array_equal(whole["inputs"], np.concatenate([h["inputs"] for h in halves]))
+  np.testing.assert_array_equal(whole["inputs"][:, 1:], whole["targets"][:, :-1])
+  assert not np.array_equal(whole["inputs"], synthetic_rows(0, 8, range(8), 16, 100)["inputs"])
+
+
+def test_learning_rate_schedule_matches_formula():
+  from MaxText import optimizers
+
+  cfg = config("steps=120", "learning_rate_schedule_steps=100", "warmup_steps_fraction=0.1", "learning_rate=1.0",
+               "cosine_learning_rate_final_fraction=0.1")
+  schedule = optimizers.learning_rate_schedule(cfg)
+  for step in (0, 5, 10, 40, 99, 100, 110):
+    if step < 10:
+      expected = step / 10
+    elif step < 100:
+      expected = 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * (step - 10) / 90))
+    else:
+      expected = 0.0
+    np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6, atol=1e-7, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("policy", ["full"])
+def test_cli_entry_points(tmp_path, policy):
+  """`python3 MaxText/train.py` and `python3 -m MaxText.train` both run."""
+  rc, out, err = _run_cli(tmp_path, "run_name=s", "steps=2", f"remat_policy={policy}", "enable_checkpointing=false")
+  assert rc == 0 and "completed step: 1" in out, err
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "MaxText.train", BASE_YML,
+                         *overrides_of("run_name=m", "steps=1", f"base_output_directory={tmp_path}")], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr
