@@ -37,10 +37,10 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=config.max_num_checkpoints_to_keep or None,
-      enable_async_checkpointing=config.async_checkpointing,
-      create=True,
-      cleanup_tmp_directories=True,
+    max_to_keep=config.max_num_checkpoints_to_keep or None,
+    enable_async_checkpointing=config.async_checkpointing,
+    create=True,
+    cleanup_tmp_directories=True,
   )
   return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM,))
 
@@ -68,8 +68,8 @@ def _items_path(key: str, path: str) -> str:
 def _restore_error(where: str, error: Exception) -> ConfigError:
   detail = " ".join(str(error).split())[:300]
   return ConfigError(
-      f"checkpoint {where} does not match this config ({type(error).__name__}: {detail}); "
-      "use the model config it was saved with, or a new run_name"
+    f"checkpoint {where} does not match this config ({type(error).__name__}: {detail}); "
+    "use the model config it was saved with, or a new run_name"
   )
 
 
@@ -95,8 +95,8 @@ def check_compatible(path: str, target) -> None:
       raise ConfigError(f"checkpoint {path} has no {name}; use the model config it was saved with, or a new run_name")
     if tuple(stored[name]) != tuple(leaf.shape):
       raise ConfigError(
-          f"checkpoint {path} stores {name} with shape {tuple(stored[name])} but this config needs "
-          f"{tuple(leaf.shape)}; use the model config it was saved with, or a new run_name"
+        f"checkpoint {path} stores {name} with shape {tuple(stored[name])} but this config needs "
+        f"{tuple(leaf.shape)}; use the model config it was saved with, or a new run_name"
       )
 
 
@@ -106,10 +106,10 @@ def _restore_tree(path: str, target):
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
     return checkpointer.restore(
-        path,
-        args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-        ),
+      path,
+      args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+      ),
     )
   except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
     raise _restore_error(path, e) from None

@@ -14,17 +14,17 @@ from MaxText.pyconfig import Config
 # Dense bf16 peak TFLOP/s per device (per chip for TPUs), from the vendors' data sheets. Matched against
 # jax's device_kind, most specific first.
 PEAK_BF16_TFLOPS = (
-    ("TPU v4", 275.0),
-    ("TPU v5 lite", 197.0),
-    ("TPU v5e", 197.0),
-    ("TPU v5p", 459.0),
-    ("TPU v5", 459.0),
-    ("TPU v6 lite", 918.0),
-    ("TPU v6e", 918.0),
-    ("A100", 312.0),
-    ("H100", 989.0),
-    ("H200", 989.0),
-    ("B200", 2250.0),
+  ("TPU v4", 275.0),
+  ("TPU v5 lite", 197.0),
+  ("TPU v5e", 197.0),
+  ("TPU v5p", 459.0),
+  ("TPU v5", 459.0),
+  ("TPU v6 lite", 918.0),
+  ("TPU v6e", 918.0),
+  ("A100", 312.0),
+  ("H100", 989.0),
+  ("H200", 989.0),
+  ("B200", 2250.0),
 )
 
 
@@ -118,12 +118,12 @@ class MetricWriter:
 def format_step(step: int, scalars: dict[str, float]) -> str:
   mfu = scalars.get("perf/mfu")
   return (
-      f"completed step: {step}, seconds: {scalars['perf/step_time_seconds']:.3f}, "
-      f"TFLOP/s/device: {scalars['perf/per_device_tflops_per_sec']:.3f}, "
-      f"Tokens/s/device: {scalars['perf/per_device_tokens_per_sec']:.1f}, "
-      f"MFU: {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}, "
-      f"loss: {scalars['learning/loss']:.4f}, grad_norm: {scalars['learning/grad_norm']:.4f}, "
-      f"lr: {scalars['learning/current_learning_rate']:.3e}"
+    f"completed step: {step}, seconds: {scalars['perf/step_time_seconds']:.3f}, "
+    f"TFLOP/s/device: {scalars['perf/per_device_tflops_per_sec']:.3f}, "
+    f"Tokens/s/device: {scalars['perf/per_device_tokens_per_sec']:.1f}, "
+    f"MFU: {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}, "
+    f"loss: {scalars['learning/loss']:.4f}, grad_norm: {scalars['learning/grad_norm']:.4f}, "
+    f"lr: {scalars['learning/current_learning_rate']:.3e}"
   )
 
 

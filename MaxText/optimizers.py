@@ -24,12 +24,12 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
 
 def create_optimizer(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
   adamw = optax.adamw(
-      schedule,
-      b1=config.adam_b1,
-      b2=config.adam_b2,
-      eps=config.adam_eps,
-      eps_root=config.adam_eps_root,
-      weight_decay=config.adam_weight_decay,
+    schedule,
+    b1=config.adam_b1,
+    b2=config.adam_b2,
+    eps=config.adam_eps,
+    eps_root=config.adam_eps_root,
+    weight_decay=config.adam_weight_decay,
   )
   if config.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)

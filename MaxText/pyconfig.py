@@ -27,33 +27,33 @@ MODELS_DIR = os.path.join(CONFIGS_DIR, "models")
 # Mesh axes of the parallelism keys: `ici_<name>_parallelism` and `dcn_<name>_parallelism` set the size
 # of mesh axis <axis>. Only these keys name mesh axes outside `logical_axis_rules`.
 PARALLELISM_AXES = {
-    "data": "data",
-    "pipeline": "stage",
-    "fsdp": "fsdp",
-    "sequence": "sequence",
-    "tensor": "tensor",
-    "expert": "expert",
+  "data": "data",
+  "pipeline": "stage",
+  "fsdp": "fsdp",
+  "sequence": "sequence",
+  "tensor": "tensor",
+  "expert": "expert",
 }
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
 UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism (no mixture-of-experts model)"}
 
 CHOICES = {
-    "hardware": ("cpu", "gpu", "tpu"),
-    "dtype": ("bfloat16", "float32", "float16"),
-    "weight_dtype": ("bfloat16", "float32", "float16"),
-    "matmul_precision": ("default", "high", "highest"),
-    "remat_policy": (
-        "full",
-        "minimal",
-        "save_qkv_proj",
-        "save_dot_except_mlp",
-        "save_dot_except_mlpwi",
-        "save_out_proj",
-        "none",
-    ),
-    "rope_type": ("default", "llama3.1"),
-    "dataset_type": ("synthetic",),
-    "profiler": ("", "xplane"),
+  "hardware": ("cpu", "gpu", "tpu"),
+  "dtype": ("bfloat16", "float32", "float16"),
+  "weight_dtype": ("bfloat16", "float32", "float16"),
+  "matmul_precision": ("default", "high", "highest"),
+  "remat_policy": (
+    "full",
+    "minimal",
+    "save_qkv_proj",
+    "save_dot_except_mlp",
+    "save_dot_except_mlpwi",
+    "save_out_proj",
+    "none",
+  ),
+  "rope_type": ("default", "llama3.1"),
+  "dataset_type": ("synthetic",),
+  "profiler": ("", "xplane"),
 }
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 
@@ -252,8 +252,8 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
         raise _unknown_key_error(key, schema, f"in model preset {preset_path}")
       if key in user and not values["override_model_config"]:
         raise ConfigError(
-            f"{key} is set by model_name={values['model_name']} and again by you; "
-            "pass override_model_config=true to override the preset"
+          f"{key} is set by model_name={values['model_name']} and again by you; "
+          "pass override_model_config=true to override the preset"
         )
       if key not in user:
         values[key] = typed(key, value, False)
@@ -272,17 +272,17 @@ def _validate(values: Mapping) -> None:
   if not values["mlp_activations"]:
     raise ConfigError("mlp_activations=[] is empty; give at least one activation, e.g. ['silu','linear']")
   positive = (
-      "base_emb_dim",
-      "base_num_query_heads",
-      "base_num_kv_heads",
-      "base_mlp_dim",
-      "base_num_decoder_layers",
-      "head_dim",
-      "vocab_size",
-      "max_target_length",
-      "log_period",
-      "checkpoint_period",
-      "gradient_accumulation_steps",
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "base_mlp_dim",
+    "base_num_decoder_layers",
+    "head_dim",
+    "vocab_size",
+    "max_target_length",
+    "log_period",
+    "checkpoint_period",
+    "gradient_accumulation_steps",
   )
   for key in positive:
     if values[key] <= 0:
@@ -291,8 +291,8 @@ def _validate(values: Mapping) -> None:
     raise ConfigError(f"per_device_batch_size={values['per_device_batch_size']} must be positive")
   if values["base_num_query_heads"] % values["base_num_kv_heads"]:
     raise ConfigError(
-        f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
-        f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
+      f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
+      f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
     )
   if values["head_dim"] % 2:
     raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
@@ -311,8 +311,8 @@ def _validate(values: Mapping) -> None:
       raise ConfigError(f"{key}={values[key]} must be positive")
   if values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:
     raise ConfigError(
-        f"rope_high_freq_factor={values['rope_high_freq_factor']} must exceed "
-        f"rope_low_freq_factor={values['rope_low_freq_factor']}"
+      f"rope_high_freq_factor={values['rope_high_freq_factor']} must exceed "
+      f"rope_low_freq_factor={values['rope_low_freq_factor']}"
     )
   rules = values["logical_axis_rules"]
   for rule in rules:
@@ -321,7 +321,9 @@ def _validate(values: Mapping) -> None:
     mesh_axes = rule[1] if isinstance(rule[1], tuple) else (rule[1],)
     for axis in mesh_axes:
       if axis not in values["mesh_axes"]:
-        raise ConfigError(f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; use one of {list(values['mesh_axes'])}")
+        raise ConfigError(
+          f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; use one of {list(values['mesh_axes'])}"
+        )
   if sorted(values["mesh_axes"]) != sorted(PARALLELISM_AXES.values()):
     raise ConfigError(f"mesh_axes={list(values['mesh_axes'])} must be an ordering of {sorted(PARALLELISM_AXES.values())}")
 
@@ -341,7 +343,9 @@ def _fill_axes(kind: str, values: Mapping, total: int) -> dict[str, int]:
   sizes = {name: values[f"{kind}_{name}_parallelism"] for name in PARALLELISM_AXES}
   fill = [name for name, size in sizes.items() if size == -1]
   if len(fill) > 1:
-    raise ConfigError(f"{kind}_{fill[0]}_parallelism and {kind}_{fill[1]}_parallelism are both -1; at most one {kind} axis may be -1")
+    raise ConfigError(
+      f"{kind}_{fill[0]}_parallelism and {kind}_{fill[1]}_parallelism are both -1; at most one {kind} axis may be -1"
+    )
   for name, size in sizes.items():
     if size == 0 or size < -1:
       raise ConfigError(f"{kind}_{name}_parallelism={size} must be positive or -1")
@@ -350,14 +354,14 @@ def _fill_axes(kind: str, values: Mapping, total: int) -> dict[str, int]:
   if fill:
     if total % known:
       raise ConfigError(
-          f"the {kind} parallelism product {known} does not divide {total} {unit}; "
-          f"choose {kind}_*_parallelism values whose product divides {total}"
+        f"the {kind} parallelism product {known} does not divide {total} {unit}; "
+        f"choose {kind}_*_parallelism values whose product divides {total}"
       )
     sizes[fill[0]] = total // known
   elif known != total:
     raise ConfigError(
-        f"the {kind} parallelism product {known} does not match {total} {unit}; "
-        f"make the product {total}, or set one {kind} axis to -1 to fill"
+      f"the {kind} parallelism product {known} does not match {total} {unit}; "
+      f"make the product {total}, or set one {kind} axis to -1 to fill"
     )
   for name, label in UNSUPPORTED_AXES.items():
     if sizes[name] > 1:
@@ -372,11 +376,11 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   """
   emb_scale, head_scale, mlp_scale, layer_scale = _scales(values["global_parameter_scale"])
   d = {
-      "emb_dim": values["base_emb_dim"] * 2**emb_scale,
-      "num_query_heads": values["base_num_query_heads"] * 2**head_scale,
-      "num_kv_heads": values["base_num_kv_heads"] * 2**head_scale,
-      "mlp_dim": values["base_mlp_dim"] * 2**mlp_scale,
-      "num_decoder_layers": values["base_num_decoder_layers"] * 2**layer_scale,
+    "emb_dim": values["base_emb_dim"] * 2**emb_scale,
+    "num_query_heads": values["base_num_query_heads"] * 2**head_scale,
+    "num_kv_heads": values["base_num_kv_heads"] * 2**head_scale,
+    "mlp_dim": values["base_mlp_dim"] * 2**mlp_scale,
+    "num_decoder_layers": values["base_num_decoder_layers"] * 2**layer_scale,
   }
   schedule = values["learning_rate_schedule_steps"]
   steps = values["steps"]
@@ -391,41 +395,41 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   axis_of = PARALLELISM_AXES
   d["ici_mesh_shape"] = tuple(ici[name] for axis in values["mesh_axes"] for name in axis_of if axis_of[name] == axis)
   d["dcn_mesh_shape"] = tuple(dcn[name] for axis in values["mesh_axes"] for name in axis_of if axis_of[name] == axis)
-  d["mesh_shape"] = tuple(i * j for i, j in zip(d["ici_mesh_shape"], d["dcn_mesh_shape"]))
+  d["mesh_shape"] = tuple(i * j for i, j in zip(d["ici_mesh_shape"], d["dcn_mesh_shape"], strict=True))
   d["num_devices"] = num_devices
   d["num_slices"] = num_slices
 
   micro = values["per_device_batch_size"] * num_devices
   if micro < 1 or not float(micro).is_integer():
     raise ConfigError(
-        f"per_device_batch_size={values['per_device_batch_size']} x {num_devices} devices = {micro} is not a whole "
-        "number of sequences; choose a per_device_batch_size that gives one"
+      f"per_device_batch_size={values['per_device_batch_size']} x {num_devices} devices = {micro} is not a whole "
+      "number of sequences; choose a per_device_batch_size that gives one"
     )
   d["micro_batch_size"] = int(micro)
   d["global_batch_size"] = int(micro) * values["gradient_accumulation_steps"]
 
-  axis_size = dict(zip(values["mesh_axes"], d["mesh_shape"]))
+  axis_size = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))
   tensor, sequence = axis_size["tensor"], axis_size["sequence"]
   for key, value in (
-      ("num_query_heads", d["num_query_heads"]),
-      ("num_kv_heads", d["num_kv_heads"]),
-      ("mlp_dim", d["mlp_dim"]),
+    ("num_query_heads", d["num_query_heads"]),
+    ("num_kv_heads", d["num_kv_heads"]),
+    ("mlp_dim", d["mlp_dim"]),
   ):
     if value % tensor:
       raise ConfigError(
-          f"{key}={value} is not divisible by tensor parallelism {tensor}; choose ici_tensor_parallelism dividing it"
+        f"{key}={value} is not divisible by tensor parallelism {tensor}; choose ici_tensor_parallelism dividing it"
       )
   if values["max_target_length"] % sequence:
     raise ConfigError(
-        f"max_target_length={values['max_target_length']} is not divisible by sequence parallelism {sequence}; "
-        "choose ici_sequence_parallelism dividing it"
+      f"max_target_length={values['max_target_length']} is not divisible by sequence parallelism {sequence}; "
+      "choose ici_sequence_parallelism dividing it"
     )
   batch_shards = axis_size["data"] * axis_size["fsdp"] * axis_size["expert"]
   if d["micro_batch_size"] % batch_shards:
     raise ConfigError(
-        f"per_device_batch_size={values['per_device_batch_size']} gives a batch of {d['micro_batch_size']} that "
-        f"does not split over {batch_shards} data x fsdp shards; raise per_device_batch_size or move devices to "
-        "ici_tensor_parallelism/ici_sequence_parallelism"
+      f"per_device_batch_size={values['per_device_batch_size']} gives a batch of {d['micro_batch_size']} that "
+      f"does not split over {batch_shards} data x fsdp shards; raise per_device_batch_size or move devices to "
+      "ici_tensor_parallelism/ici_sequence_parallelism"
     )
   return d
 

@@ -31,11 +31,11 @@ def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> 
   if config.num_slices > 1:
     granule_is_process = not hasattr(devices[0], "slice_index")
     device_array = mesh_utils.create_hybrid_device_mesh(
-        config.ici_mesh_shape,
-        config.dcn_mesh_shape,
-        devices,
-        process_is_granule=granule_is_process,
-        allow_split_physical_axes=True,
+      config.ici_mesh_shape,
+      config.dcn_mesh_shape,
+      devices,
+      process_is_granule=granule_is_process,
+      allow_split_physical_axes=True,
     )
   else:
     try:

@@ -49,7 +49,7 @@ def state_layout(model: nn.Module, config: Config, tx: optax.GradientTransformat
   boxed = jax.eval_shape(lambda rng: _boxed_state(model, config, tx, rng), jax.random.key(0))
   shardings = sharding.tree_shardings(nn.get_partition_spec(boxed), mesh, config)
   abstract = jax.tree_util.tree_map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.meta.unbox(boxed), shardings
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.meta.unbox(boxed), shardings
   )
   return StateLayout(abstract=abstract, shardings=shardings)
 
@@ -63,7 +63,7 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
 def state_from_params(params, tx, layout: StateLayout) -> TrainState:
   """A train state at step 0 around given params: a fresh optimizer state."""
   fresh = jax.jit(
-      lambda p: TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=p, opt_state=tx.init(p)),
-      out_shardings=layout.shardings,
+    lambda p: TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=p, opt_state=tx.init(p)),
+    out_shardings=layout.shardings,
   )
   return fresh(params)

@@ -19,7 +19,6 @@ if __package__ in (None, ""):  # Run as a script: make the `MaxText` package imp
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import yaml  # noqa: E402
 
@@ -39,12 +38,12 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   Returning the sum (not the mean) lets micro-batches add up to exactly the full batch's loss.
   """
   logits_BLV = model.apply(
-      {"params": params},
-      batch["inputs"],
-      batch["inputs_segmentation"],
-      batch["inputs_position"],
-      deterministic=deterministic,
-      rngs={"dropout": dropout_rng},
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_segmentation"],
+    batch["inputs_position"],
+    deterministic=deterministic,
+    rngs={"dropout": dropout_rng},
   ).astype(jnp.float32)
   xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
   mask_BL = batch["targets_segmentation"] != 0
@@ -82,11 +81,11 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
   step_metrics = {
-      "learning/loss": loss_sum / denominator,
-      "learning/grad_norm": optax.tree.norm(grads),
-      "learning/param_norm": optax.tree.norm(new_state.params),
-      "learning/current_learning_rate": schedule(state.step),
-      "learning/total_weights": num_tokens,
+    "learning/loss": loss_sum / denominator,
+    "learning/grad_norm": optax.tree.norm(grads),
+    "learning/param_norm": optax.tree.norm(new_state.params),
+    "learning/current_learning_rate": schedule(state.step),
+    "learning/total_weights": num_tokens,
   }
   return new_state, step_metrics
 
@@ -110,8 +109,8 @@ def load_config(argv) -> Config:
     devices = jax.devices()
   except RuntimeError as e:
     raise ConfigError(
-        f"hardware={values['hardware']}: no such JAX backend here ({str(e).splitlines()[0][:120]}); "
-        "install its jaxlib (setup.sh DEVICE=gpu) or set hardware=cpu"
+      f"hardware={values['hardware']}: no such JAX backend here ({str(e).splitlines()[0][:120]}); "
+      "install its jaxlib (setup.sh DEVICE=gpu) or set hardware=cpu"
     ) from None
   return pyconfig.finalize(values, num_devices=len(devices), num_slices=sharding.count_slices(devices))
 
@@ -167,10 +166,10 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
 
   batch_sharding = sharding.batch_sharding(mesh, config)
   step_fn = jax.jit(
-      lambda s, b: train_step(model, config, tx, schedule, s, b),
-      in_shardings=(layout.shardings, batch_sharding),
-      out_shardings=(layout.shardings, sharding.logical_sharding((), mesh, config)),
-      donate_argnums=(0,),
+    lambda s, b: train_step(model, config, tx, schedule, s, b),
+    in_shardings=(layout.shardings, batch_sharding),
+    out_shardings=(layout.shardings, sharding.logical_sharding((), mesh, config)),
+    donate_argnums=(0,),
   )
   data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
   writer = metrics.MetricWriter(config, run_dir)
@@ -208,17 +207,19 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
       if not math.isfinite(loss):
         latest = manager.latest_step() if manager is not None else None
         raise TrainingError(
-            f"loss={loss} at step {step}; lower learning_rate (now {config.learning_rate}) or set "
-            f"gradient_clipping_threshold; last good checkpoint: {latest}"
+          f"loss={loss} at step {step}; lower learning_rate (now {config.learning_rate}) or set "
+          f"gradient_clipping_threshold; last good checkpoint: {latest}"
         )
       losses.append((step, loss))
       achieved = flops.total / step_time / 1e12
-      scalars.update({
+      scalars.update(
+        {
           "perf/step_time_seconds": step_time,
           "perf/per_device_tflops_per_sec": achieved,
           "perf/per_device_tokens_per_sec": tokens_per_device / step_time,
           "perf/mfu": None if peak is None else achieved / peak,
-      })
+        }
+      )
       log(metrics.format_step(step, scalars))
       writer.write(step, scalars)
       if save_now and checkpointing.save(manager, state):
@@ -228,17 +229,19 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
 
   memory, memory_kind = metrics.peak_memory_bytes()
   steps_run = config.steps - first_step
-  summary.update({
+  summary.update(
+    {
       "steps_run": steps_run,
       "losses": losses,
       "total_tokens": steps_run * config.global_batch_size * config.max_target_length,
       "median_step_time": metrics.median(step_times),
       "peak_memory_bytes": memory,
-  })
+    }
+  )
   log(
-      f"Done: {summary['total_tokens']} tokens in {steps_run} steps; median step time "
-      f"{summary['median_step_time']:.3f} s (steps after the first); peak memory {memory / 2**30:.2f} GiB "
-      f"({memory_kind}); time to first step {summary.get('time_to_first_step', float('nan')):.1f} s"
+    f"Done: {summary['total_tokens']} tokens in {steps_run} steps; median step time "
+    f"{summary['median_step_time']:.3f} s (steps after the first); peak memory {memory / 2**30:.2f} GiB "
+    f"({memory_kind}); time to first step {summary.get('time_to_first_step', float('nan')):.1f} s"
   )
   return summary
 

@@ -25,11 +25,11 @@ def synthetic_rows(seed: int, step: int, rows: range, length: int, vocab_size: i
   ones = np.ones((len(rows), length), np.int32)
   positions = np.broadcast_to(np.arange(length, dtype=np.int32), (len(rows), length)).copy()
   return {
-      "inputs": streams[:, :-1].copy(),
-      "inputs_segmentation": ones,
-      "inputs_position": positions,
-      "targets": streams[:, 1:].copy(),
-      "targets_segmentation": ones.copy(),
+    "inputs": streams[:, :-1].copy(),
+    "inputs_segmentation": ones,
+    "inputs_position": positions,
+    "targets": streams[:, 1:].copy(),
+    "targets_segmentation": ones.copy(),
   }
 
 
@@ -49,7 +49,7 @@ class SyntheticIterator:
   def __next__(self):
     cfg = self.config
     local = synthetic_rows(
-        cfg.data_shuffle_seed, self.step, range(self.rows.start, self.rows.stop), cfg.max_target_length, cfg.vocab_size
+      cfg.data_shuffle_seed, self.step, range(self.rows.start, self.rows.stop), cfg.max_target_length, cfg.vocab_size
     )
     self.step += 1
     return {k: sharding.make_global_array(v, self.sharding, self.global_shape) for k, v in local.items()}

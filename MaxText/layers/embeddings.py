@@ -18,10 +18,10 @@ class Embed(nn.Module):
   def setup(self):
     _, weight_dtype = dtypes(self.config)
     self.embedding = self.param(
-        "embedding",
-        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), (ct.VOCAB, ct.EMBED)),
-        (self.config.vocab_size, self.config.emb_dim),
-        weight_dtype,
+      "embedding",
+      nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), (ct.VOCAB, ct.EMBED)),
+      (self.config.vocab_size, self.config.emb_dim),
+      weight_dtype,
     )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -33,7 +33,7 @@ class Embed(nn.Module):
     """Tied output projection: x [batch, length, embed] -> logits [batch, length, vocab]."""
     dtype, _ = dtypes(self.config)
     return jnp.einsum(
-        "ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype), precision=PRECISIONS[self.config.matmul_precision]
+      "ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype), precision=PRECISIONS[self.config.matmul_precision]
     )
 
 

@@ -14,12 +14,12 @@ from MaxText.pyconfig import Config
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
 ACTIVATIONS = {
-    "silu": nn.silu,
-    "gelu": nn.gelu,
-    "relu": nn.relu,
-    "tanh": jnp.tanh,
-    "sigmoid": nn.sigmoid,
-    "linear": lambda x: x,
+  "silu": nn.silu,
+  "gelu": nn.gelu,
+  "relu": nn.relu,
+  "tanh": jnp.tanh,
+  "sigmoid": nn.sigmoid,
+  "linear": lambda x: x,
 }
 
 
@@ -48,22 +48,22 @@ class DenseGeneral(nn.Module):
     features = tuple(self.features)
     n_out = len(features)
     init = nn.initializers.variance_scaling(
-        1.0,
-        "fan_in",
-        "truncated_normal",
-        in_axis=tuple(range(self.num_in)),
-        out_axis=tuple(range(self.num_in, self.num_in + n_out)),
+      1.0,
+      "fan_in",
+      "truncated_normal",
+      in_axis=tuple(range(self.num_in)),
+      out_axis=tuple(range(self.num_in, self.num_in + n_out)),
     )
     kernel = self.param(
-        "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), in_shape + features, weight_dtype
+      "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), in_shape + features, weight_dtype
     )
     contract_x = tuple(range(x.ndim - self.num_in, x.ndim))
     contract_w = tuple(range(self.num_in))
     return jax.lax.dot_general(
-        x.astype(dtype),
-        kernel.astype(dtype),
-        ((contract_x, contract_w), ((), ())),
-        precision=PRECISIONS[self.config.matmul_precision],
+      x.astype(dtype),
+      kernel.astype(dtype),
+      ((contract_x, contract_w), ((), ())),
+      precision=PRECISIONS[self.config.matmul_precision],
     )
 
 
@@ -87,4 +87,3 @@ class MlpBlock(nn.Module):
     hidden = sharding.constrain(hidden, (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
     out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, name="wo")(hidden)
     return checkpoint_name(out, "mlpwo")
-

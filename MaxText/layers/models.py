@@ -19,10 +19,10 @@ from MaxText.pyconfig import Config, ConfigError
 DECODER_BLOCKS = {"llama2": LlamaDecoderLayer}
 
 _SAVE_NAMES = {
-    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
-    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
-    "save_out_proj": ("out_proj",),
+  "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+  "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+  "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+  "save_out_proj": ("out_proj",),
 }
 
 
@@ -72,12 +72,12 @@ class Transformer(nn.Module):
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
     if cfg.scan_layers:
       scanned = nn.scan(
-          block,
-          variable_axes={"params": 0},
-          split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast, nn.broadcast),
-          length=cfg.num_decoder_layers,
-          metadata_params={nn.PARTITION_NAME: ct.LAYERS},
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast, nn.broadcast),
+        length=cfg.num_decoder_layers,
+        metadata_params={nn.PARTITION_NAME: ct.LAYERS},
       )
       x, _ = scanned(cfg, self.mesh, deterministic, name="layers")(x, segment_ids, positions)
     else:

@@ -17,9 +17,7 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype, weight_dtype = dtypes(self.config)
-    scale = self.param(
-        "scale", nn.with_logical_partitioning(nn.initializers.ones, (ct.NORM,)), (x.shape[-1],), weight_dtype
-    )
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (ct.NORM,)), (x.shape[-1],), weight_dtype)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.normalization_layer_epsilon)
     return y.astype(dtype) * scale.astype(dtype)

@@ -9,14 +9,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 # A tiny float32 model: GQA (4 query heads over 2 KV heads), 2 layers, 64 tokens per row.
 TINY = (
-    "model_name=tiny",
-    "dtype=float32",
-    "max_target_length=64",
-    "enable_checkpointing=false",
-    "enable_tensorboard=false",
-    "log_config=false",
-    "jax_cache_dir=",
-    "matmul_precision=highest",
+  "model_name=tiny",
+  "dtype=float32",
+  "max_target_length=64",
+  "enable_checkpointing=false",
+  "enable_tensorboard=false",
+  "log_config=false",
+  "jax_cache_dir=",
+  "matmul_precision=highest",
 )
 
 

@@ -24,11 +24,11 @@ def _batch(cfg, batch=2, seed=1):
   tokens = rng.integers(0, cfg.vocab_size, (batch, length + 1)).astype(np.int32)
   ones = np.ones((batch, length), np.int32)
   return {
-      "inputs": tokens[:, :-1],
-      "inputs_segmentation": ones,
-      "inputs_position": np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)),
-      "targets": tokens[:, 1:],
-      "targets_segmentation": ones,
+    "inputs": tokens[:, :-1],
+    "inputs_segmentation": ones,
+    "inputs_position": np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)),
+    "targets": tokens[:, 1:],
+    "targets_segmentation": ones,
   }
 
 
@@ -40,8 +40,9 @@ def test_causality_gradient_is_exactly_zero():
   x = jax.random.normal(jax.random.key(3), (1, 16, cfg.emb_dim))
 
   def logits_sum_at(i, x):
-    out = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
-                      input_embeddings=x)
+    out = model.apply(
+      {"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"], input_embeddings=x
+    )
     return jnp.sum(out[0, i])
 
   for i in (0, 5, 15):
@@ -174,8 +175,16 @@ def test_dropout_is_active_only_in_training():
   batch = _batch(cfg, batch=1)
 
   def run(deterministic, seed):
-    return np.asarray(model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
-                                  deterministic=deterministic, rngs={"dropout": jax.random.key(seed)}))
+    return np.asarray(
+      model.apply(
+        {"params": params},
+        batch["inputs"],
+        batch["inputs_segmentation"],
+        batch["inputs_position"],
+        deterministic=deterministic,
+        rngs={"dropout": jax.random.key(seed)},
+      )
+    )
 
   np.testing.assert_array_equal(run(True, 0), run(True, 1))
   assert not np.allclose(run(False, 0), run(False, 1))

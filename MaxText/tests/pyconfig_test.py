@@ -12,7 +12,13 @@ from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
 
 
 def test_overrides_are_typed_and_frozen():
-  cfg = config("per_device_batch_size=3", "scan_layers=False", "learning_rate=1e-3", "mlp_activations=['gelu','linear']", "override_model_config=true")
+  cfg = config(
+    "per_device_batch_size=3",
+    "scan_layers=False",
+    "learning_rate=1e-3",
+    "mlp_activations=['gelu','linear']",
+    "override_model_config=true",
+  )
   assert cfg.per_device_batch_size == 3.0 and isinstance(cfg.per_device_batch_size, float)
   assert cfg.scan_layers is False
   assert cfg.learning_rate == 1e-3
@@ -40,7 +46,7 @@ def test_model_preset_and_override_rule():
 
 
 @pytest.mark.parametrize(
-    "scale, expected", [(1, (64, 4, 2, 128, 2)), (2, (64, 8, 4, 256, 2)), (4, (128, 8, 4, 256, 2)), (8, (128, 8, 4, 256, 4))]
+  "scale, expected", [(1, (64, 4, 2, 128, 2)), (2, (64, 8, 4, 256, 2)), (4, (128, 8, 4, 256, 2)), (8, (128, 8, 4, 256, 4))]
 )
 def test_global_parameter_scale(scale, expected):
   """MaxText's split: log2(scale) = 3*base + rem; heads/mlp grow first, then emb, then layers."""
@@ -50,7 +56,7 @@ def test_global_parameter_scale(scale, expected):
 
 def test_derived_mesh_and_batch():
   cfg = config("ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2", "per_device_batch_size=1", num_devices=8)
-  axes = dict(zip(cfg.mesh_axes, cfg.mesh_shape))
+  axes = dict(zip(cfg.mesh_axes, cfg.mesh_shape, strict=True))
   assert axes == {"data": 1, "stage": 1, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
   assert cfg.micro_batch_size == 8 and cfg.global_batch_size == 8
   cfg = config("gradient_accumulation_steps=4", "per_device_batch_size=0.5", "ici_tensor_parallelism=2", num_devices=8)
@@ -69,21 +75,21 @@ def test_every_base_key_has_a_comment():
 
 
 BAD = [
-    (["modle_name=tiny"], "modle_name"),
-    (["steps=ten"], "steps"),
-    (["scan_layers=maybe"], "scan_layers"),
-    (["remat_policy=sometimes"], "remat_policy"),
-    (["dtype=int8"], "dtype"),
-    (["ici_tensor_parallelism=3"], "parallelism"),
-    (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "parallelism"),
-    (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=-1"], "num_kv_heads"),
-    (["per_device_batch_size=0.1"], "per_device_batch_size"),
-    (["base_num_kv_heads=3", "override_model_config=true"], "base_num_kv_heads"),
-    (["base_emb_dim=64"], "base_emb_dim"),
-    (["model_name=llama9"], "model_name"),
-    (["run_name="], "run_name"),
-    (["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], "ici_expert_parallelism"),
-    (["load_parameters_path=/nonexistent/checkpoint"], "load_parameters_path"),
+  (["modle_name=tiny"], "modle_name"),
+  (["steps=ten"], "steps"),
+  (["scan_layers=maybe"], "scan_layers"),
+  (["remat_policy=sometimes"], "remat_policy"),
+  (["dtype=int8"], "dtype"),
+  (["ici_tensor_parallelism=3"], "parallelism"),
+  (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "parallelism"),
+  (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=-1"], "num_kv_heads"),
+  (["per_device_batch_size=0.1"], "per_device_batch_size"),
+  (["base_num_kv_heads=3", "override_model_config=true"], "base_num_kv_heads"),
+  (["base_emb_dim=64"], "base_emb_dim"),
+  (["model_name=llama9"], "model_name"),
+  (["run_name="], "run_name"),
+  (["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], "ici_expert_parallelism"),
+  (["load_parameters_path=/nonexistent/checkpoint"], "load_parameters_path"),
 ]
 
 
@@ -101,8 +107,13 @@ def test_missing_yml_from_the_command_line(tmp_path):
   """A real process: exit code 2, one line on stderr, no traceback."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(
-      [sys.executable, "MaxText/train.py", str(tmp_path / "missing.yml"), "run_name=x"],
-      cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env, check=False,
+    [sys.executable, "MaxText/train.py", str(tmp_path / "missing.yml"), "run_name=x"],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=env,
+    check=False,
   )
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr

@@ -12,10 +12,10 @@ from MaxText import common_types, pyconfig, sharding, train
 from MaxText.tests.helpers import config
 
 MESHES = {
-    "data=8": ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
-    "fsdp=8": ("ici_fsdp_parallelism=8",),
-    "fsdp=4,tensor=2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-    "fsdp=2,sequence=2,tensor=2": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
+  "data=8": ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
+  "fsdp=8": ("ici_fsdp_parallelism=8",),
+  "fsdp=4,tensor=2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+  "fsdp=2,sequence=2,tensor=2": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
 }
 COMMON = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "base_output_directory=/tmp/unused")
 
@@ -42,7 +42,8 @@ def test_losses_do_not_depend_on_the_mesh(mesh, single_device_losses):
 
 def test_params_are_created_sharded():
   """Under fsdp=4 x tensor=2 each device holds 1/8 of a 2-D MLP kernel, never the whole array."""
-  from MaxText import optimizers, state as state_lib
+  from MaxText import optimizers
+  from MaxText import state as state_lib
   from MaxText.layers import models
 
   cfg = config(*MESHES["fsdp=4,tensor=2"], "per_device_batch_size=1", num_devices=8)

@@ -31,7 +31,12 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def _run_cli(tmp_path, *args, wait=True):
-  args = [sys.executable, "MaxText/train.py", BASE_YML, *overrides_of("enable_checkpointing=true", f"base_output_directory={tmp_path}", *args)]
+  args = [
+    sys.executable,
+    "MaxText/train.py",
+    BASE_YML,
+    *overrides_of("enable_checkpointing=true", f"base_output_directory={tmp_path}", *args),
+  ]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   if not wait:  # Output to a file: an unread pipe could fill and stall the run.
     with open(f"{tmp_path}/background.log", "w", encoding="utf-8") as log:
@@ -55,8 +60,14 @@ def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
   assert rc == 0, err
   straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "straight.jsonl")}
   assert sorted(straight) == list(range(120))
-  for key in ("learning/loss", "learning/grad_norm", "learning/current_learning_rate", "perf/step_time_seconds",
-              "perf/per_device_tflops_per_sec", "perf/per_device_tokens_per_sec"):
+  for key in (
+    "learning/loss",
+    "learning/grad_norm",
+    "learning/current_learning_rate",
+    "perf/step_time_seconds",
+    "perf/per_device_tflops_per_sec",
+    "perf/per_device_tokens_per_sec",
+  ):
     assert key in _metrics(tmp_path / "straight.jsonl")[0]
 
   metrics_file = tmp_path / "killed.jsonl"
@@ -97,13 +108,21 @@ def test_interrupted_save_is_never_taken_as_a_checkpoint(tmp_path):
 
 def test_restore_on_another_mesh(tmp_path):
   """A checkpoint written under fsdp=8 resumes under fsdp=4 x tensor=2 with the uninterrupted losses."""
-  common = ("learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=1", "enable_checkpointing=true",
-            "async_checkpointing=false", f"base_output_directory={tmp_path}", "checkpoint_period=2",
-            "learning_rate_schedule_steps=4")
+  common = (
+    "learning_rate=1e-2",
+    "warmup_steps_fraction=0",
+    "per_device_batch_size=1",
+    "enable_checkpointing=true",
+    "async_checkpointing=false",
+    f"base_output_directory={tmp_path}",
+    "checkpoint_period=2",
+    "learning_rate_schedule_steps=4",
+  )
   straight = _losses(train.train(config(*common, "run_name=a", "steps=4", "ici_fsdp_parallelism=8", num_devices=8)))
   train.train(config(*common, "run_name=b", "steps=2", "ici_fsdp_parallelism=8", num_devices=8))
-  resumed = train.train(config(*common, "run_name=b", "steps=4", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
-                               num_devices=8))
+  resumed = train.train(
+    config(*common, "run_name=b", "steps=4", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
+  )
   assert resumed["first_step"] == 2
   np.testing.assert_allclose(_losses(resumed), straight[2:], rtol=1e-5)
 
@@ -112,12 +131,14 @@ def test_load_parameters_then_fresh_optimizer(tmp_path):
   common = ("enable_checkpointing=true", "async_checkpointing=false", f"base_output_directory={tmp_path}")
   train.train(config(*common, "run_name=src", "steps=3", "learning_rate=1e-2", num_devices=1), jax.devices()[:1])
   path = f"{tmp_path}/src/checkpoints/3/items"
-  loaded = train.train(config(*common, "run_name=dst", "steps=1", f"load_parameters_path={path}", num_devices=1),
-                       jax.devices()[:1])
+  loaded = train.train(
+    config(*common, "run_name=dst", "steps=1", f"load_parameters_path={path}", num_devices=1), jax.devices()[:1]
+  )
   fresh = train.train(config(*common, "run_name=dst2", "steps=1", num_devices=1), jax.devices()[:1])
   assert loaded["first_step"] == 0 and _losses(loaded)[0] < _losses(fresh)[0]
-  full = train.train(config(*common, "run_name=dst3", "steps=4", f"load_full_state_path={path}", num_devices=1),
-                     jax.devices()[:1])
+  full = train.train(
+    config(*common, "run_name=dst3", "steps=4", f"load_full_state_path={path}", num_devices=1), jax.devices()[:1]
+  )
   assert full["first_step"] == 3
 
 
@@ -132,8 +153,16 @@ def test_incompatible_checkpoint_exits_2_and_keeps_it(tmp_path):
 
 
 def test_nan_loss_stops_with_one_line(tmp_path):
-  rc, _, err = _run_cli(tmp_path, "run_name=nan", "steps=5", "learning_rate=1e30", "gradient_clipping_threshold=0",
-                        "adam_eps=0", "adam_eps_root=0", "checkpoint_period=1")
+  rc, _, err = _run_cli(
+    tmp_path,
+    "run_name=nan",
+    "steps=5",
+    "learning_rate=1e30",
+    "gradient_clipping_threshold=0",
+    "adam_eps=0",
+    "adam_eps_root=0",
+    "checkpoint_period=1",
+  )
   assert rc == 1 and "loss=nan" in err and "learning_rate" in err and "Traceback" not in err, err
   saved = os.listdir(tmp_path / "nan" / "checkpoints")
   assert all(not name.endswith("5") for name in saved)
@@ -152,8 +181,13 @@ def test_synthetic_batches_depend_only_on_seed_and_step():
 def test_learning_rate_schedule_matches_formula():
   from MaxText import optimizers
 
-  cfg = config("steps=120", "learning_rate_schedule_steps=100", "warmup_steps_fraction=0.1", "learning_rate=1.0",
-               "cosine_learning_rate_final_fraction=0.1")
+  cfg = config(
+    "steps=120",
+    "learning_rate_schedule_steps=100",
+    "warmup_steps_fraction=0.1",
+    "learning_rate=1.0",
+    "cosine_learning_rate_final_fraction=0.1",
+  )
   schedule = optimizers.learning_rate_schedule(cfg)
   for step in (0, 5, 10, 40, 99, 100, 110):
     if step < 10:
@@ -171,7 +205,19 @@ def test_cli_entry_points(tmp_path, policy):
   rc, out, err = _run_cli(tmp_path, "run_name=s", "steps=2", f"remat_policy={policy}", "enable_checkpointing=false")
   assert rc == 0 and "completed step: 1" in out, err
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-m", "MaxText.train", BASE_YML,
-                         *overrides_of("run_name=m", "steps=1", f"base_output_directory={tmp_path}")], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "MaxText.train",
+      BASE_YML,
+      *overrides_of("run_name=m", "steps=1", f"base_output_directory={tmp_path}"),
+    ],
+    cwd=REPO_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs everything MaxText needs into the current Python environment.
+#   bash setup.sh               # CPU (default)
+#   DEVICE=gpu bash setup.sh    # NVIDIA GPUs: jax with CUDA 12 wheels (CUDA=13 for CUDA 13)
+#   DEVICE=tpu bash setup.sh    # Cloud TPU VMs
+# PYTHON picks the interpreter (default python3). Tests and lint tools come from requirements-dev.txt.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+DEVICE=${DEVICE:-cpu}
+JAX_VERSION=$(sed -n 's/^jax==//p' requirements.txt)
+
+"$PYTHON" -m pip install -q -r requirements.txt -r requirements-dev.txt
+case "$DEVICE" in
+  cpu) ;;
+  gpu) "$PYTHON" -m pip install -q "jax[cuda${CUDA:-12}]==${JAX_VERSION}" ;;
+  tpu) "$PYTHON" -m pip install -q "jax[tpu]==${JAX_VERSION}" ;;
+  *) echo "error: DEVICE=$DEVICE is not supported; use cpu, gpu or tpu" >&2; exit 2 ;;
+esac
+"$PYTHON" -c "import jax, flax, optax, orbax.checkpoint; print('MaxText dependencies installed; jax', jax.__version__, 'devices:', jax.devices())"

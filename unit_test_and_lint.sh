@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Format check, lint, then the unit tests (CPU, 8 simulated devices; see MaxText/tests/conftest.py).
+# Extra arguments go to pytest, e.g. `bash unit_test_and_lint.sh -k sharding`.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -m ruff format --check MaxText end_to_end
+"$PYTHON" -m ruff check MaxText end_to_end
+"$PYTHON" -m pytest -q -p no:cacheprovider MaxText/tests "$@"
