@@ -9,6 +9,7 @@ import time
 _PROCESS_START = time.time()
 
 # pylint: disable=wrong-import-position
+import concurrent.futures  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -154,7 +155,22 @@ def train(config: Config, devices=None) -> dict:
 
 def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> dict:
   """The loop proper: restore or init, then step, log and checkpoint until `steps`."""
-  start = checkpointing.restore_or_init(config, manager, model, tx, layout)
+  batch_sharding = sharding.batch_sharding(mesh, config)
+  step_fn = jax.jit(
+    lambda s, b: train_step(model, config, tx, schedule, s, b),
+    in_shardings=(layout.shardings, batch_sharding),
+    out_shardings=(layout.shardings, sharding.logical_sharding((), mesh, config)),
+    donate_argnums=(0,),
+  )
+  # Compile the step ahead of time in the background while the state is restored or initialised.
+  batch_shape = jax.ShapeDtypeStruct(
+    (config.global_batch_size, config.max_target_length), jnp.int32, sharding=batch_sharding
+  )
+  abstract_batch = dict.fromkeys(input_pipeline.BATCH_KEYS, batch_shape)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    compiling = pool.submit(lambda: step_fn.lower(layout.abstract, abstract_batch).compile())
+    start = checkpointing.restore_or_init(config, manager, model, tx, layout)
+    compiled_step = compiling.result()
   state = start.state
   first_step = int(jax.device_get(state.step))
   num_params = metrics.count_params(layout.abstract.params)
@@ -164,13 +180,6 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
     log(f"Nothing to do: the run is already at step {first_step} of steps={config.steps}.")
     return {"steps_run": 0}
 
-  batch_sharding = sharding.batch_sharding(mesh, config)
-  step_fn = jax.jit(
-    lambda s, b: train_step(model, config, tx, schedule, s, b),
-    in_shardings=(layout.shardings, batch_sharding),
-    out_shardings=(layout.shardings, sharding.logical_sharding((), mesh, config)),
-    donate_argnums=(0,),
-  )
   data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
   writer = metrics.MetricWriter(config, run_dir)
   flops = metrics.training_flops_per_device(config)
@@ -187,7 +196,7 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
     for step in range(first_step, config.steps):
       if config.profiler == "xplane" and step == profile_start:
         jax.profiler.start_trace(os.path.join(run_dir, "tensorboard"))
-      state, step_metrics = step_fn(state, next(data))
+      state, step_metrics = compiled_step(state, next(data))
       completed = step + 1
       if config.profiler == "xplane" and completed == profile_stop:
         jax.block_until_ready(state)

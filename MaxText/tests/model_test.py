@@ -108,6 +108,15 @@ def test_rope_matches_float64_reference(rope_type):
   np.testing.assert_allclose(np.asarray(out)[1], expected[1], rtol=0, atol=bound)
 
 
+def assert_grads_close(actual, expected, name=""):
+  """Float32 gradients from two code paths: remat and scan change how XLA fuses and orders the sums, so an
+  element may differ by a few ulps of the largest partial sums of its tensor. Hence rtol 1e-5 plus an
+  absolute 1e-6 of the tensor's largest magnitude (an element that cancels to ~0 has no relative precision).
+  """
+  expected = np.asarray(expected)
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max(), err_msg=name)
+
+
 def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
   fn = jax.jit(jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
@@ -136,7 +145,7 @@ def test_scanned_unrolled_and_remat_policies_agree(remat_policy):
   flat = jax.tree_util.tree_leaves_with_path(_unstack_layers(grads, cfg.num_decoder_layers))
   ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
   for path, g in flat:
-    np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    assert_grads_close(g, ref[path], jax.tree_util.keystr(path))
 
 
 def test_unrolled_remat_matches_no_remat():
@@ -146,7 +155,7 @@ def test_unrolled_remat_matches_no_remat():
   batch = _batch(cfg)
   (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, params, batch), _loss_and_grads(reference_cfg, params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
 
 
 def test_tied_embeddings_share_one_table():
