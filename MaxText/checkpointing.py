@@ -53,7 +53,7 @@ def save(manager: ocp.CheckpointManager, state: TrainState) -> bool:
   return manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}), force=True)
 
 
-def _items_path(key: str, path: str) -> str:
+def items_path(key: str, path: str) -> str:
   """Accepts a checkpoint's `items` folder or its step folder; rejects anything else in one line."""
   path = os.path.expanduser(path)
   if os.path.isdir(os.path.join(path, ITEM)):
@@ -86,7 +86,7 @@ def check_compatible(path: str, target) -> None:
   """
   try:
     metadata = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001 (any failure to read means unreadable)
     raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}); is it a complete Orbax checkpoint?") from None
   stored = {_leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(metadata)}
   for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(target):
@@ -117,7 +117,7 @@ def _restore_tree(path: str, target):
 
 def restore_params(path: str, abstract_params, key: str = "load_parameters_path"):
   """Params from a train-state or params-only checkpoint at `path`, placed by the abstract params' shardings."""
-  return _restore_tree(_items_path(key, path), {"params": abstract_params})["params"]
+  return _restore_tree(items_path(key, path), {"params": abstract_params})["params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
       raise _restore_error(os.path.join(checkpoint_dir(config), str(latest)), e) from None
     return StartingPoint(state, f"resumed from {checkpoint_dir(config)}/{latest}")
   if config.load_full_state_path:
-    path = _items_path("load_full_state_path", config.load_full_state_path)
+    path = items_path("load_full_state_path", config.load_full_state_path)
     return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")
   if config.load_parameters_path:
     params = restore_params(config.load_parameters_path, layout.abstract.params)

@@ -8,7 +8,6 @@ import time
 
 _PROCESS_START = time.time()
 
-# pylint: disable=wrong-import-position
 import concurrent.futures  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -138,10 +137,12 @@ def train(config: Config, devices=None) -> dict:
   schedule = optimizers.learning_rate_schedule(config)
   tx = optimizers.create_optimizer(config, schedule)
   layout = state_lib.state_layout(model, config, tx, mesh)
-  if config.load_parameters_path:  # Fail before any work if the path is wrong.
-    checkpointing._items_path("load_parameters_path", config.load_parameters_path)  # pylint: disable=protected-access
+  if config.load_parameters_path:  # Fail before anything is written if the checkpoint cannot serve.
+    path = checkpointing.items_path("load_parameters_path", config.load_parameters_path)
+    checkpointing.check_compatible(path, {"params": layout.abstract.params})
   if config.load_full_state_path:
-    checkpointing._items_path("load_full_state_path", config.load_full_state_path)  # pylint: disable=protected-access
+    path = checkpointing.items_path("load_full_state_path", config.load_full_state_path)
+    checkpointing.check_compatible(path, layout.abstract)
 
   run_dir = checkpointing.run_dir(config)
   manager = checkpointing.create_manager(config)

@@ -221,3 +221,19 @@ def test_cli_entry_points(tmp_path, policy):
     check=False,
   )
   assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr
+
+
+def test_profiler_and_tensorboard_outputs(tmp_path):
+  """profiler=xplane leaves a trace of the chosen steps; TensorBoard gets the logged scalars."""
+  cfg = config(
+    "steps=3",
+    "profiler=xplane",
+    "skip_first_n_steps_for_profiler=1",
+    "profiler_steps=1",
+    "enable_tensorboard=true",
+    f"base_output_directory={tmp_path}",
+  )
+  train.train(cfg, jax.devices()[:1])
+  tensorboard = tmp_path / "test" / "tensorboard"
+  assert list(tensorboard.glob("events.out.tfevents.*")), "no TensorBoard event file"
+  assert list(tensorboard.rglob("*.xplane.pb")), "no profiler trace"
