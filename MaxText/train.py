@@ -203,8 +203,8 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
       save_now = manager is not None and (completed % config.checkpoint_period == 0 or completed == config.steps)
-      if completed % config.log_period and not save_now and completed != config.steps:
-        continue
+      if completed % config.log_period and not save_now and completed != config.steps and step != first_step:
+        continue  # The first step is always measured: it gives the time to first step.
       scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
       now = time.time()
       step_time = (now - last_time) / (completed - last_step)

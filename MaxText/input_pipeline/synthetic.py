@@ -1,9 +1,10 @@
 """Synthetic data: learnable token streams that depend only on (seed, step, row).
 
 Row r of step s is an arithmetic progression modulo vocab_size, (a + k * d) % V, whose start a and stride d
-come from a generator seeded with (data_shuffle_seed, s, r). A model can learn to continue it after two
-tokens, so the loss falls well below ln(V). The global batch depends on the seed, the step and its shape,
-never on the mesh: each process makes only the rows its devices hold and the rows become one global array.
+come from a generator seeded with (data_shuffle_seed, s, r). Unlike uniform random tokens, a stream is
+predictable from its first two tokens, so a model has something to learn. The global batch depends on
+the seed, the step and its shape, never on the mesh: each process makes only the rows its devices hold
+and the rows become one global array.
 """
 
 import numpy as np
