@@ -214,11 +214,13 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
         step_times.extend([step_time] * (completed - last_step))
       last_time, last_step = now, completed
       loss = scalars["learning/loss"]
-      if not math.isfinite(loss):
+      # The loss is that of the params before this step; the updated params (about to be saved) are
+      # checked through their norm, so a non-finite state is never checkpointed.
+      if not (math.isfinite(loss) and math.isfinite(scalars["learning/param_norm"])):
         latest = manager.latest_step() if manager is not None else None
         raise TrainingError(
-          f"loss={loss} at step {step}; lower learning_rate (now {config.learning_rate}) or set "
-          f"gradient_clipping_threshold; last good checkpoint: {latest}"
+          f"loss={loss}, param_norm={scalars['learning/param_norm']} after step {step}; lower learning_rate "
+          f"(now {config.learning_rate}) or set gradient_clipping_threshold; last good checkpoint: {latest}"
         )
       losses.append((step, loss))
       achieved = flops.total / step_time / 1e12

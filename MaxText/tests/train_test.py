@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,9 +164,12 @@ def test_nan_loss_stops_with_one_line(tmp_path):
     "adam_eps_root=0",
     "checkpoint_period=1",
   )
-  assert rc == 1 and "loss=nan" in err and "learning_rate" in err and "Traceback" not in err, err
-  saved = os.listdir(tmp_path / "nan" / "checkpoints")
-  assert all(not name.endswith("5") for name in saved)
+  assert rc == 1 and "nan" in err and "learning_rate" in err and "Traceback" not in err, err
+  assert len(err.strip().splitlines()) == 1
+  bad_step = int(re.search(r"after step (\d+)", err).group(1))
+  # Checkpoint <n> holds the state after n steps: only states from before the bad step may be saved.
+  saved = [int(name) for name in os.listdir(tmp_path / "nan" / "checkpoints")]
+  assert all(n <= bad_step for n in saved), (saved, bad_step)
 
 
 def test_synthetic_batches_depend_only_on_seed_and_step():
