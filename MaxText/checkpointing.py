@@ -101,8 +101,8 @@ def check_compatible(path: str, target) -> None:
 
 
 def _restore_tree(path: str, target):
-  """Restores the parts of the pytree at `path` named by `target` (abstract, with shardings)."""
-  check_compatible(path, target)
+  """Restores the parts of the pytree at `path` named by `target` (abstract, with shardings); callers have
+  already run check_compatible on it."""
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
     return checkpointer.restore(
@@ -117,7 +117,18 @@ def _restore_tree(path: str, target):
 
 def restore_params(path: str, abstract_params, key: str = "load_parameters_path"):
   """Params from a train-state or params-only checkpoint at `path`, placed by the abstract params' shardings."""
-  return _restore_tree(items_path(key, path), {"params": abstract_params})["params"]
+  path = items_path(key, path)
+  check_compatible(path, {"params": abstract_params})
+  return _restore_tree(path, {"params": abstract_params})["params"]
+
+
+def check_start_paths(config: Config, layout: StateLayout) -> None:
+  """Validates load_full_state_path / load_parameters_path against the model, before anything is written."""
+  if config.load_full_state_path:
+    check_compatible(items_path("load_full_state_path", config.load_full_state_path), layout.abstract)
+  if config.load_parameters_path:
+    path = items_path("load_parameters_path", config.load_parameters_path)
+    check_compatible(path, {"params": layout.abstract.params})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +138,7 @@ class StartingPoint:
 
 
 def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> StartingPoint:
-  """The state a run starts from, by the rules in this module's docstring."""
+  """The state a run starts from, by the rules in this module's docstring (after check_start_paths)."""
   latest = manager.latest_step() if manager is not None else None
   if latest is not None:
     check_compatible(os.path.join(checkpoint_dir(config), str(latest), ITEM), layout.abstract)
@@ -141,6 +152,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
     path = items_path("load_full_state_path", config.load_full_state_path)
     return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")
   if config.load_parameters_path:
-    params = restore_params(config.load_parameters_path, layout.abstract.params)
+    path = items_path("load_parameters_path", config.load_parameters_path)
+    params = _restore_tree(path, {"params": layout.abstract.params})["params"]
     return StartingPoint(state_from_params(params, tx, layout), f"params from {config.load_parameters_path}")
   return StartingPoint(init_state(model, config, tx, layout), f"fresh init (seed {config.init_weights_seed})")

@@ -137,12 +137,7 @@ def train(config: Config, devices=None) -> dict:
   schedule = optimizers.learning_rate_schedule(config)
   tx = optimizers.create_optimizer(config, schedule)
   layout = state_lib.state_layout(model, config, tx, mesh)
-  if config.load_parameters_path:  # Fail before anything is written if the checkpoint cannot serve.
-    path = checkpointing.items_path("load_parameters_path", config.load_parameters_path)
-    checkpointing.check_compatible(path, {"params": layout.abstract.params})
-  if config.load_full_state_path:
-    path = checkpointing.items_path("load_full_state_path", config.load_full_state_path)
-    checkpointing.check_compatible(path, layout.abstract)
+  checkpointing.check_start_paths(config, layout)  # Before anything is written.
 
   run_dir = checkpointing.run_dir(config)
   manager = checkpointing.create_manager(config)
@@ -184,8 +179,7 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
   data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
   writer = metrics.MetricWriter(config, run_dir)
   flops = metrics.training_flops_per_device(config)
-  device_kind = jax.devices()[0].device_kind
-  peak = metrics.peak_tflops(device_kind, config.cpu_peak_tflops)
+  peak = metrics.peak_tflops(mesh.devices.flat[0].device_kind, config.cpu_peak_tflops)
   tokens_per_device = config.global_batch_size * config.max_target_length / config.num_devices
   profile_start = config.skip_first_n_steps_for_profiler
   profile_stop = profile_start + config.profiler_steps
@@ -253,7 +247,7 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
   log(
     f"Done: {summary['total_tokens']} tokens in {steps_run} steps; median step time "
     f"{summary['median_step_time']:.3f} s (steps after the first); peak memory {memory / 2**30:.2f} GiB "
-    f"({memory_kind}); time to first step {summary.get('time_to_first_step', float('nan')):.1f} s"
+    f"({memory_kind}); time to first step {summary['time_to_first_step']:.1f} s"
   )
   return summary
 
