@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cpu}
-JAX_VERSION=$(sed -n 's/^jax==//p' requirements.txt)
 
 "$PYTHON" -m pip install -q -r requirements.txt -r requirements-dev.txt
+JAX_VERSION=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('jax'))")  # Pinned per Python version.
 case "$DEVICE" in
   cpu) ;;
   gpu) "$PYTHON" -m pip install -q "jax[cuda${CUDA:-12}]==${JAX_VERSION}" ;;

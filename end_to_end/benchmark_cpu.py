@@ -1,6 +1,6 @@
 """Side-by-side CPU training benchmark: this framework vs the PyPI `maxtext` package, in one run.
 
-    python3 end_to_end/benchmark_cpu.py [--rounds 2] [--devices 1 2] [--peer-python PATH]
+    python3 end_to_end/benchmark_cpu.py [--rounds 2] [--devices 1 2] [--python PATH] [--peer-python PATH]
 
 Runs the core issue's benchmark config on N simulated CPU devices (N=2 adds ici_fsdp_parallelism=2),
 alternating the two frameworks (A B A B) because the machine is noisy, each with a fresh (cold)
@@ -9,7 +9,8 @@ compilation cache, and prints per framework and device count:
   - time to first step: from process launch to the line of step 0 (stdout is streamed and timed here);
   - for ours also a second run on the same cache (warm persistent compilation cache).
 The peer is installed by ../shared/bench/peer_maxtext.sh install (a Python 3.12 venv); it is launched
-with the same arguments that script uses.
+with the same arguments that script uses. --python runs ours under another interpreter, e.g. a Python 3.12
+environment made with `PYTHON=python3.12 bash setup.sh`, to compare on the peer's own Python and jax.
 """
 
 import argparse
@@ -47,10 +48,10 @@ def run(cmd, env, cwd):
   return first, rates
 
 
-def ours(devices, cache, out):
+def ours(devices, cache, out, python):
   extra = ["ici_fsdp_parallelism=2"] if devices == 2 else []
   cmd = [
-    sys.executable,
+    python,
     "MaxText/train.py",
     "MaxText/configs/base.yml",
     "run_name=bench",
@@ -89,19 +90,22 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
+  parser.add_argument("--python", default=sys.executable, help="interpreter for ours (default: this one)")
   parser.add_argument("--peer-python", default=os.path.expanduser("~/.cache/peer-maxtext/bin/python"))
   args = parser.parse_args()
   has_peer = os.path.exists(args.peer_python)
   if not has_peer:
     print(f"peer not installed at {args.peer_python}: run ../shared/bench/peer_maxtext.sh install; ours only")
+  version = subprocess.check_output([args.python, "-c", "import sys, jax; print(sys.version.split()[0], jax.__version__)"])
+  print(f"ours: {args.python} (Python, jax: {version.decode().strip()})")
   results = {}
   for devices in args.devices:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
     for _ in range(args.rounds):
-      sides = [("ours", None)] + ([("maxtext", args.peer_python)] if has_peer else [])
+      sides = [("ours", args.python)] + ([("maxtext", args.peer_python)] if has_peer else [])
       for name, python in sides:
         with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
-          cmd, cwd = ours(devices, cache, out) if name == "ours" else peer(devices, cache, out, python)
+          cmd, cwd = ours(devices, cache, out, python) if name == "ours" else peer(devices, cache, out, python)
           first, rates = run(cmd, env, cwd)
           results.setdefault((name, devices, "cold"), []).append((first, rates))
           if name == "ours":  # Same command again on the now warm persistent cache.

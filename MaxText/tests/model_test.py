@@ -158,6 +158,29 @@ def test_unrolled_remat_matches_no_remat():
   jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
 
 
+def test_cpu_compiler_options_keep_loss_and_grads():
+  """train.compiler_options' CPU tuning swaps XLA kernels, not the math: same loss and gradients."""
+  cfg = config("max_target_length=32")
+  _, params = _init(cfg)
+  model, batch = models.Transformer(cfg), _batch(cfg)
+  fn = jax.jit(jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
+  tuned = fn.lower(params).compile({"xla_cpu_experimental_ynn_fusion_type": train.CPU_YNN_FUSIONS})
+  (loss, grads), (ref_loss, ref_grads) = tuned(params), fn(params)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+
+
+def test_compiler_options_only_when_a_device_has_spare_cores(monkeypatch):
+  mesh_of = lambda n: jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))  # noqa: E731
+  monkeypatch.setattr("os.cpu_count", lambda: 2)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  expected = {} if jax.__version_info__ < (0, 11) else {"xla_cpu_experimental_ynn_fusion_type": train.CPU_YNN_FUSIONS}
+  assert train.compiler_options(mesh_of(1)) == expected
+  assert train.compiler_options(mesh_of(2)) == {}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
+  assert train.compiler_options(mesh_of(1)) == {}
+
+
 def test_tied_embeddings_share_one_table():
   cfg = config("logits_via_embedding=true", override_model_config="true")
   model, params = _init(cfg, batch=1)
