@@ -16,7 +16,6 @@ import dataclasses
 import os
 
 import jax
-import orbax.checkpoint as ocp
 
 from MaxText.pyconfig import Config, ConfigError
 from MaxText.state import StateLayout, TrainState, init_state, state_from_params
@@ -32,10 +31,12 @@ def checkpoint_dir(config: Config) -> str:
   return os.path.join(run_dir(config), "checkpoints")
 
 
-def create_manager(config: Config) -> ocp.CheckpointManager | None:
-  """The run's checkpoint manager, or None when enable_checkpointing=false."""
+def create_manager(config: Config):
+  """The run's orbax.checkpoint.CheckpointManager, or None when enable_checkpointing=false."""
   if not config.enable_checkpointing:
     return None
+  import orbax.checkpoint as ocp  # Lazy, here and below: a run without checkpoints never imports Orbax.
+
   options = ocp.CheckpointManagerOptions(
     max_to_keep=config.max_num_checkpoints_to_keep or None,
     enable_async_checkpointing=config.async_checkpointing,
@@ -45,8 +46,10 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM,))
 
 
-def save(manager: ocp.CheckpointManager, state: TrainState) -> bool:
+def save(manager, state: TrainState) -> bool:
   """Starts saving `state` as checkpoint <state.step>; never overwrites an existing checkpoint."""
+  import orbax.checkpoint as ocp
+
   step = int(jax.device_get(state.step))
   if step in manager.all_steps():
     return False
@@ -84,6 +87,8 @@ def check_compatible(path: str, target) -> None:
   Checked from the checkpoint's metadata before restoring, so a mismatch is one clear line rather than a
   failure inside Orbax's restore.
   """
+  import orbax.checkpoint as ocp
+
   try:
     metadata = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
   except Exception as e:  # noqa: BLE001 (any failure to read means unreadable)
@@ -103,6 +108,8 @@ def check_compatible(path: str, target) -> None:
 def _restore_tree(path: str, target):
   """Restores the parts of the pytree at `path` named by `target` (abstract, with shardings); callers have
   already run check_compatible on it."""
+  import orbax.checkpoint as ocp
+
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
     return checkpointer.restore(
@@ -141,6 +148,8 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
   """The state a run starts from, by the rules in this module's docstring (after check_start_paths)."""
   latest = manager.latest_step() if manager is not None else None
   if latest is not None:
+    import orbax.checkpoint as ocp
+
     check_compatible(os.path.join(checkpoint_dir(config), str(latest), ITEM), layout.abstract)
     target = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(layout.abstract)})
     try:

@@ -186,20 +186,21 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
   abstract_batch = dict.fromkeys(input_pipeline.BATCH_KEYS, batch_shape)
   options = compiler_options(mesh)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    compiling = pool.submit(lambda: step_fn.lower(layout.abstract, abstract_batch).compile(options))
+    lowered = step_fn.lower(layout.abstract, abstract_batch)  # Tracing holds the GIL: do it first, here.
+    compiling = pool.submit(lambda: lowered.compile(options))
     start = checkpointing.restore_or_init(config, manager, model, tx, layout)
+    state = start.state
+    first_step = int(jax.device_get(state.step))
+    num_params = metrics.count_params(layout.abstract.params)
+    write_resolved_config(config, run_dir)
+    log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; starting from {start.source}")
+    if first_step >= config.steps:
+      log(f"Nothing to do: the run is already at step {first_step} of steps={config.steps}.")
+      return {"steps_run": 0}
+    data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
     compiled_step = compiling.result()
-  state = start.state
-  first_step = int(jax.device_get(state.step))
-  num_params = metrics.count_params(layout.abstract.params)
-  write_resolved_config(config, run_dir)
-  log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; starting from {start.source}")
-  if first_step >= config.steps:
-    log(f"Nothing to do: the run is already at step {first_step} of steps={config.steps}.")
-    return {"steps_run": 0}
-
-  data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
   writer = metrics.MetricWriter(config, run_dir)
+
   flops = metrics.training_flops_per_device(config)
   peak = metrics.peak_tflops(mesh.devices.flat[0].device_kind, config.cpu_peak_tflops)
   tokens_per_device = config.global_batch_size * config.max_target_length / config.num_devices
