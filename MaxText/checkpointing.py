@@ -5,14 +5,16 @@ number of completed optimizer steps. Orbax writes each one into a temporary fold
 complete, so a save cut short (even by kill -9) is never listed as a checkpoint; leftovers are removed
 when the run restarts. What a run starts from, first match wins:
 
-  1. the latest checkpoint of its own run directory (resume: params, optimizer, step; the data position
-     and the dropout RNG are functions of the step),
+  1. the latest checkpoint of its own run directory (resume: params, optimizer, step, and for text
+     pipelines the Grain iterator's state, one JSON file per process under `<step>/data`; the synthetic
+     data position and the dropout RNG are functions of the step),
   2. load_full_state_path (a whole train state),
   3. load_parameters_path (params only; fresh optimizer at step 0),
   4. a fresh init from init_weights_seed.
 """
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -21,6 +23,17 @@ from MaxText.pyconfig import Config, ConfigError
 from MaxText.state import StateLayout, TrainState, init_state, state_from_params
 
 ITEM = "items"
+DATA_ITEM = "data"
+
+
+class _DataSnapshot:
+  """The data iterator's state captured at save time (the save itself may finish in the background)."""
+
+  def __init__(self, state: dict):
+    self.state = state
+
+  def get_state(self) -> bytes:
+    return json.dumps(self.state).encode()
 
 
 def run_dir(config: Config) -> str:
@@ -43,17 +56,37 @@ def create_manager(config: Config):
     create=True,
     cleanup_tmp_directories=True,
   )
-  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM,))
+  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM, DATA_ITEM))
 
 
-def save(manager, state: TrainState) -> bool:
-  """Starts saving `state` as checkpoint <state.step>; never overwrites an existing checkpoint."""
+def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
+  """Starts saving `state` (and the data iterator's state, if given) as checkpoint <state.step>; never
+  overwrites an existing checkpoint."""
   import orbax.checkpoint as ocp
 
   step = int(jax.device_get(state.step))
   if step in manager.all_steps():
     return False
-  return manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}), force=True)
+  items = {ITEM: ocp.args.StandardSave(state)}
+  if data_state is not None:
+    import grain.checkpoint  # Only text pipelines have an iterator state, and they need Grain anyway.
+
+    items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_DataSnapshot(data_state))
+  return manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+
+def restore_data(config: Config, manager, step: int, iterator) -> None:
+  """Sets a text pipeline's iterator to its state saved in checkpoint <step> (exact resume)."""
+  import grain.checkpoint
+  import orbax.checkpoint as ocp
+
+  where = os.path.join(checkpoint_dir(config), str(step))
+  if not os.path.isdir(os.path.join(where, DATA_ITEM)):
+    raise ConfigError(
+      f"checkpoint {where} has no data iterator state (saved with dataset_type=synthetic?); resume with the "
+      "dataset_type it was saved with, or start a new run_name with load_parameters_path"
+    )
+  manager.restore(step, args=ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(iterator)}))
 
 
 def items_path(key: str, path: str) -> str:
@@ -142,6 +175,7 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
 class StartingPoint:
   state: TrainState
   source: str  # where the state came from, for the log
+  resumed: bool = False  # from this run's own latest checkpoint
 
 
 def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> StartingPoint:
@@ -156,7 +190,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
       state = manager.restore(latest, args=target)[ITEM]
     except (ValueError, KeyError, TypeError) as e:
       raise _restore_error(os.path.join(checkpoint_dir(config), str(latest)), e) from None
-    return StartingPoint(state, f"resumed from {checkpoint_dir(config)}/{latest}")
+    return StartingPoint(state, f"resumed from {checkpoint_dir(config)}/{latest}", resumed=True)
   if config.load_full_state_path:
     path = items_path("load_full_state_path", config.load_full_state_path)
     return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")

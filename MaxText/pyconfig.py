@@ -52,7 +52,7 @@ CHOICES = {
     "none",
   ),
   "rope_type": ("default", "llama3.1"),
-  "dataset_type": ("synthetic",),
+  "dataset_type": ("synthetic", "grain", "tfds", "hf"),
   "profiler": ("", "xplane"),
 }
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
@@ -287,6 +287,12 @@ def _validate(values: Mapping) -> None:
   for key in positive:
     if values[key] <= 0:
       raise ConfigError(f"{key}={values[key]} must be positive")
+  if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":
+    raise ConfigError(f"eval_steps={values['eval_steps']}: synthetic data has no end; set eval_steps to a positive count")
+  if values["eval_per_device_batch_size"] < 0:
+    raise ConfigError(
+      f"eval_per_device_batch_size={values['eval_per_device_batch_size']} must be >= 0 (0: per_device_batch_size)"
+    )
   if values["per_device_batch_size"] <= 0:
     raise ConfigError(f"per_device_batch_size={values['per_device_batch_size']} must be positive")
   if values["base_num_query_heads"] % values["base_num_kv_heads"]:
@@ -431,6 +437,14 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
       f"does not split over {batch_shards} data x fsdp shards; raise per_device_batch_size or move devices to "
       "ici_tensor_parallelism/ici_sequence_parallelism"
     )
+  eval_per_device = values["eval_per_device_batch_size"] or values["per_device_batch_size"]
+  eval_batch = eval_per_device * num_devices
+  if eval_batch < 1 or not float(eval_batch).is_integer() or int(eval_batch) % batch_shards:
+    raise ConfigError(
+      f"eval_per_device_batch_size={eval_per_device} x {num_devices} devices = {eval_batch} is not a whole number "
+      f"of sequences that splits over {batch_shards} data x fsdp shards; choose another eval_per_device_batch_size"
+    )
+  d["eval_batch_size"] = int(eval_batch)
   return d
 
 

@@ -91,6 +91,28 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   return new_state, step_metrics
 
 
+def eval_step(model, params, batch):
+  """(summed float32 cross-entropy, number of non-padding targets) of one eval batch, no dropout."""
+  return loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+
+
+def evaluate(config: Config, mesh, eval_fn, params) -> dict[str, float]:
+  """Mean loss per non-padding target token over eval_steps batches (-1: one pass over the split)."""
+  loss_sum, tokens = 0.0, 0
+  batches = input_pipeline.create_eval_iterator(config, mesh)
+  for i, batch in enumerate(batches):
+    if i == config.eval_steps:
+      break
+    batch_loss, batch_tokens = jax.device_get(eval_fn(params, batch))
+    loss_sum, tokens = loss_sum + float(batch_loss), tokens + int(batch_tokens)
+  if tokens == 0:
+    raise TrainingError(
+      "the evaluation split gave no full batch; lower eval_per_device_batch_size or give more eval documents"
+    )
+  avg = loss_sum / tokens
+  return {"eval/avg_loss": avg, "eval/perplexity": math.exp(min(avg, 700.0)), "eval/total_weights": tokens}
+
+
 # ---------------------------------------------------------------------------------------------- set-up
 def configure_jax(values) -> None:
   """Platform and persistent compilation cache; must run before the first device query."""
@@ -159,6 +181,7 @@ def train(config: Config, devices=None) -> dict:
   tx = optimizers.create_optimizer(config, schedule)
   layout = state_lib.state_layout(model, config, tx, mesh)
   checkpointing.check_start_paths(config, layout)  # Before anything is written.
+  input_pipeline.check(config)
 
   run_dir = checkpointing.run_dir(config)
   manager = checkpointing.create_manager(config)
@@ -198,12 +221,19 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
       log(f"Nothing to do: the run is already at step {first_step} of steps={config.steps}.")
       return {"steps_run": 0}
     data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
+    if start.resumed and config.dataset_type != "synthetic":
+      checkpointing.restore_data(config, manager, first_step, data)
     compiled_step = compiling.result()
   writer = metrics.MetricWriter(config, run_dir)
 
   flops = metrics.training_flops_per_device(config)
   peak = metrics.peak_tflops(mesh.devices.flat[0].device_kind, config.cpu_peak_tflops)
   tokens_per_device = config.global_batch_size * config.max_target_length / config.num_devices
+  eval_fn = jax.jit(
+    lambda p, b: eval_step(model, p, b),
+    in_shardings=(layout.shardings.params, batch_sharding),
+    out_shardings=sharding.logical_sharding((), mesh, config),
+  )
   profile_start = config.skip_first_n_steps_for_profiler
   profile_stop = profile_start + config.profiler_steps
 
@@ -220,7 +250,8 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
       save_now = manager is not None and (completed % config.checkpoint_period == 0 or completed == config.steps)
-      if completed % config.log_period and not save_now and completed != config.steps and step != first_step:
+      eval_now = config.eval_interval > 0 and (completed % config.eval_interval == 0 or completed == config.steps)
+      if completed % config.log_period and not (save_now or eval_now) and completed != config.steps and step != first_step:
         continue  # The first step is always measured: it gives the time to first step.
       scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
       now = time.time()
@@ -251,7 +282,17 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
       )
       log(metrics.format_step(step, scalars))
       writer.write(step, scalars)
-      if save_now and checkpointing.save(manager, state):
+      if eval_now:
+        eval_scalars = evaluate(config, mesh, eval_fn, state.params)
+        log(
+          f"eval after step {step}: loss {eval_scalars['eval/avg_loss']:.4f}, perplexity "
+          f"{eval_scalars['eval/perplexity']:.2f} over {eval_scalars['eval/total_weights']} tokens"
+        )
+        writer.write(step, eval_scalars)
+        summary["eval"] = eval_scalars
+        last_time = time.time()  # Evaluation time is not step time.
+      data_state = None if config.dataset_type == "synthetic" or not save_now else data.get_state()
+      if save_now and checkpointing.save(manager, state, data_state):
         log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(config)}")
   finally:
     writer.close()

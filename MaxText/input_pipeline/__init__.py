@@ -3,16 +3,139 @@
   inputs, inputs_segmentation, inputs_position, targets, targets_segmentation: [global_batch, length] int32
 
 where segmentation 0 marks padding and positions restart at 0 in every packed document.
+
+  synthetic  token streams that depend only on (seed, step, row): synthetic.py
+  grain      ArrayRecord files of UTF-8 documents (grain_train_files, grain_eval_files)
+  tfds       a prepared TFDS dataset read through tfds.data_source (dataset_path, dataset_name)
+  hf         Hugging Face `datasets` on local files (hf_path, hf_data_dir, hf_train_files, hf_eval_files)
+
+The three text sources feed one Grain pipeline (text_pipeline.py): tokenize, pack, batch, global arrays.
+`check(config)` validates paths and the tokenizer before a run writes anything.
 """
 
+import glob
+import os
+
+import jax
+
 from MaxText.input_pipeline.synthetic import SyntheticIterator
-from MaxText.pyconfig import Config
+from MaxText.pyconfig import Config, ConfigError
 
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
 
 
+def _files(key: str, pattern: str) -> list[str]:
+  if not pattern:
+    raise ConfigError(f"{key} is empty; give a glob of ArrayRecord files, e.g. ~/maxtext_data/demo/array_record/train/*")
+  files = sorted(glob.glob(os.path.expanduser(pattern)))
+  if not files:
+    raise ConfigError(f"{key}={pattern} matches no files; build the demo data with `python3 MaxText/build_demo_dataset.py`")
+  empty = [f for f in files if os.path.getsize(f) == 0]
+  if empty:
+    raise ConfigError(f"{key}={pattern} matches an empty file {empty[0]}; remove it or rebuild the dataset")
+  return files
+
+
+def _source(config: Config, split: str):
+  """(random-access documents of a split, the key of the text in a record or None)."""
+  train = split == "train"
+  if config.dataset_type == "grain":
+    key = "grain_train_files" if train else "grain_eval_files"
+    import grain  # Lazy: only text pipelines need Grain.
+
+    return grain.sources.ArrayRecordDataSource(_files(key, getattr(config, key))), None
+  if config.dataset_type == "tfds":
+    name = config.dataset_name if train else (config.eval_dataset_name or config.dataset_name)
+    if not name:
+      raise ConfigError("dataset_type=tfds needs dataset_name=NAME (and dataset_path= its TFDS data_dir)")
+    path = os.path.expanduser(config.dataset_path)
+    if path and not os.path.isdir(path):
+      raise ConfigError(f"dataset_path={path} does not exist; give the data_dir holding the prepared TFDS dataset")
+    import tensorflow_datasets as tfds  # Lazy: its array_record sources need no TensorFlow.
+
+    try:
+      source = tfds.data_source(name, data_dir=path or None, split=config.train_split if train else config.eval_split)
+    except Exception as e:  # noqa: BLE001 (tfds raises many types for a missing or unprepared dataset)
+      raise ConfigError(
+        f"dataset_name={name} dataset_path={path}: no prepared TFDS dataset ({type(e).__name__}: "
+        f"{' '.join(str(e).split())[:160]}); prepare it first (e.g. python3 MaxText/build_demo_dataset.py)"
+      ) from None
+    return source, config.train_data_column
+  if config.dataset_type == "hf":
+    return _hf_source(config, train), config.train_data_column
+  raise ConfigError(f"dataset_type={config.dataset_type!r} has no text source")
+
+
+def _hf_source(config: Config, train: bool):
+  if not config.hf_path:
+    raise ConfigError("dataset_type=hf needs hf_path= (json, parquet, text, csv, or a saved dataset folder)")
+  pattern = config.hf_train_files if train else config.hf_eval_files
+  files = _files("hf_train_files" if train else "hf_eval_files", pattern) if pattern else None
+  import datasets  # Lazy: only the hf pipeline needs Hugging Face datasets.
+
+  datasets.disable_progress_bars()
+  path = os.path.expanduser(config.hf_path)
+  try:
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+      return datasets.load_from_disk(path)[config.train_split if train else config.eval_split]
+    data_files = {"split": files} if files else None
+    split = "split" if files else (config.train_split if train else config.eval_split)
+    data_dir = os.path.expanduser(config.hf_data_dir) or None
+    return datasets.load_dataset(path, data_dir=data_dir, data_files=data_files, split=split)
+  except (FileNotFoundError, ValueError) as e:
+    raise ConfigError(
+      f"hf_path={config.hf_path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+    ) from None
+
+
+def check(config: Config) -> None:
+  """Raises ConfigError for a missing data path, an empty glob or an unusable tokenizer (before any write)."""
+  if config.dataset_type == "synthetic":
+    return
+  from MaxText.input_pipeline import tokenizer
+
+  tokenizer.check_tokenizer(config)
+  _source(config, "train")
+  if config.eval_interval > 0:
+    _source(config, "eval")
+
+
 def create_iterator(config: Config, mesh, start_step: int = 0):
-  """The training iterator selected by `dataset_type`, positioned to yield the batch of `start_step`."""
+  """The training iterator selected by `dataset_type`, positioned to yield the batch of `start_step`
+  (text pipelines: at their start; a resumed run restores their saved state instead)."""
   if config.dataset_type == "synthetic":
     return SyntheticIterator(config, mesh, start_step)
-  raise ValueError(f"dataset_type={config.dataset_type!r} has no pipeline")
+  return _text_iterator(config, mesh, "train")
+
+
+def create_eval_iterator(config: Config, mesh):
+  """One pass over the evaluation split (synthetic: a fixed set of eval_steps batches)."""
+  if config.dataset_type == "synthetic":
+    # Rows from steps no training run reaches, so eval never sees a training batch.
+    return SyntheticIterator(config, mesh, start_step=1 << 40, batch_size=config.eval_batch_size)
+  return _text_iterator(config, mesh, "eval")
+
+
+def _text_iterator(config: Config, mesh, split: str):
+  from MaxText import sharding
+  from MaxText.input_pipeline import text_pipeline
+  from MaxText.input_pipeline.tokenizer import Tokenize
+
+  train = split == "train"
+  batch = config.global_batch_size if train else config.eval_batch_size
+  rows = sharding.local_rows(sharding.batch_sharding(mesh, config), (batch, config.max_target_length))
+  source, text_key = _source(config, split)
+  dataset = text_pipeline.make_dataset(
+    source,
+    tokenize=Tokenize(os.path.expanduser(config.tokenizer_path), config.add_bos, config.add_eos),
+    length=config.max_target_length,
+    rows=rows.stop - rows.start,
+    seed=config.data_shuffle_seed,
+    num_epochs=config.num_epoch if train else 1,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+    text_key=text_key,
+    shuffle=train,
+    worker_count=config.grain_worker_count,
+  )
+  return text_pipeline.TextIterator(config, mesh, dataset, batch_size=batch)

@@ -37,10 +37,10 @@ def synthetic_rows(seed: int, step: int, rows: range, length: int, vocab_size: i
 class SyntheticIterator:
   """Yields the global batch of step `step`, `step + 1`, ...; its state is the next step."""
 
-  def __init__(self, config: Config, mesh: Mesh, start_step: int = 0):
+  def __init__(self, config: Config, mesh: Mesh, start_step: int = 0, batch_size: int | None = None):
     self.config = config
     self.step = start_step
-    self.global_shape = (config.global_batch_size, config.max_target_length)
+    self.global_shape = (batch_size or config.global_batch_size, config.max_target_length)
     self.sharding = sharding.batch_sharding(mesh, config)
     self.rows = sharding.local_rows(self.sharding, self.global_shape)
 

@@ -239,3 +239,29 @@ def test_profiler_and_tensorboard_outputs(tmp_path):
   tensorboard = tmp_path / "test" / "tensorboard"
   assert list(tensorboard.glob("events.out.tfevents.*")), "no TensorBoard event file"
   assert list(tensorboard.rglob("*.xplane.pb")), "no profiler trace"
+
+
+def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
+  """train.evaluate (jitted, sharded over 2 devices) = float64 mean of unjitted per-batch loss sums."""
+  from flax import linen as nn
+
+  from MaxText import input_pipeline, sharding
+  from MaxText.layers import models
+
+  cfg = config("eval_interval=1", "eval_steps=3", "eval_per_device_batch_size=2", "ici_fsdp_parallelism=2", num_devices=2)
+  mesh = sharding.create_mesh(cfg, jax.devices()[:2])
+  model = models.Transformer(cfg, mesh)
+  boxed = models.Transformer(cfg).init({"params": jax.random.key(1)}, *models.init_inputs(1, cfg.max_target_length))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = jax.device_put(nn.meta.unbox(boxed)["params"], replicated)
+  eval_fn = jax.jit(lambda p, b: train.eval_step(model, p, b))
+  got = train.evaluate(cfg, mesh, eval_fn, params)
+  total, tokens = 0.0, 0
+  for i, batch in enumerate(input_pipeline.create_eval_iterator(cfg, mesh)):
+    if i == 3:
+      break
+    loss_sum, count = train.eval_step(models.Transformer(cfg), params, jax.device_get(batch))
+    total, tokens = total + float(loss_sum), tokens + int(count)
+  assert got["eval/total_weights"] == tokens == 3 * 4 * cfg.max_target_length
+  np.testing.assert_allclose(got["eval/avg_loss"], total / tokens, rtol=1e-6)
+  np.testing.assert_allclose(got["eval/perplexity"], np.exp(total / tokens), rtol=1e-6)

@@ -1,0 +1,118 @@
+"""Text pipelines (dataset_type grain, tfds, hf): documents -> tokens -> packed rows -> global batches.
+
+  a random-access source of documents (ArrayRecord files, a TFDS data source, a Hugging Face dataset)
+    -> this process's share: documents process_index, process_index + process_count, ...
+    -> shuffled with data_shuffle_seed, reshuffled every epoch, repeated num_epoch times (-1: forever)
+    -> tokenized (SentencePiece; add_bos, add_eos)
+    -> a document longer than max_target_length + 1 tokens is cut into pieces that overlap by one token, so
+       every token of the document is a target exactly once
+    -> inputs = piece[:-1], targets = piece[1:]
+    -> first-fit packing into rows of max_target_length (Grain's FirstFitPackIterDataset): segment ids
+       1, 2, ... per piece (0 = padding) and positions restarting at 0 in every piece
+    -> batches of this process's rows -> one global jax.Array per key.
+
+The Grain iterator's state (a small dict) is what a checkpoint stores to resume exactly. This module is
+imported only by runs that read text, so the synthetic path never imports Grain or SentencePiece.
+"""
+
+import json
+import operator
+
+import grain
+import grain.experimental as grain_experimental
+import numpy as np
+
+from MaxText import sharding
+from MaxText.input_pipeline.tokenizer import Tokenize
+from MaxText.pyconfig import Config
+
+# Grain's packed keys -> ours.
+_RENAME = {
+  "inputs": "inputs",
+  "inputs_segment_ids": "inputs_segmentation",
+  "inputs_positions": "inputs_position",
+  "targets": "targets",
+  "targets_segment_ids": "targets_segmentation",
+}
+
+
+class Pieces(grain_experimental.FlatMapTransform):
+  """tokens -> pieces of at most length + 1 tokens overlapping by one, as {"inputs": piece[:-1], "targets":
+  piece[1:]}. A document of one token has nothing to predict and yields nothing."""
+
+  def __init__(self, length: int, max_fan_out: int):
+    self.length = length
+    self.max_fan_out = max_fan_out
+
+  def flat_map(self, tokens: np.ndarray) -> list[dict]:
+    starts = range(0, max(len(tokens) - 1, 0), self.length)
+    pieces = [tokens[start : start + self.length + 1] for start in starts]
+    return [{"inputs": piece[:-1], "targets": piece[1:]} for piece in pieces]
+
+
+def _rename(batch: dict) -> dict:
+  return {ours: np.asarray(batch[theirs], np.int32) for theirs, ours in _RENAME.items()}
+
+
+def make_dataset(
+  source,
+  *,
+  tokenize: Tokenize,
+  length: int,
+  rows: int,
+  seed: int,
+  num_epochs: int,
+  process_index: int,
+  process_count: int,
+  text_key: str | None = None,
+  shuffle: bool = True,
+  worker_count: int = 0,
+  max_document_tokens: int = 1 << 20,
+):
+  """The Grain IterDataset of this process's batches: dicts of [rows, length] int32 arrays (our BATCH_KEYS).
+
+  source: a random-access sequence of documents (str/bytes, or dicts holding the text under text_key).
+  """
+  dataset = grain.MapDataset.source(source)[process_index::process_count]
+  if shuffle:
+    dataset = dataset.shuffle(seed=seed)
+  dataset = dataset.repeat(None if num_epochs < 0 else num_epochs)
+  if text_key is not None:
+    dataset = dataset.map(operator.itemgetter(text_key))
+  dataset = dataset.map(tokenize).to_iter_dataset()
+  dataset = grain_experimental.FlatMapIterDataset(dataset, Pieces(length, max_document_tokens // length + 1))
+  dataset = grain_experimental.FirstFitPackIterDataset(
+    dataset,
+    length_struct={"inputs": length, "targets": length},
+    num_packing_bins=rows,
+    shuffle_bins=False,
+  )
+  dataset = dataset.batch(rows, drop_remainder=True).map(_rename)
+  if worker_count > 0:
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+  return dataset
+
+
+class TextIterator:
+  """Global batches from a Grain dataset of this process's rows; get_state/set_state for exact resume."""
+
+  def __init__(self, config: Config, mesh, dataset, batch_size: int | None = None):
+    self.global_shape = (batch_size or config.global_batch_size, config.max_target_length)
+    self.sharding = sharding.batch_sharding(mesh, config)
+    self.iterator = iter(dataset)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    local = next(self.iterator)
+    return {k: sharding.make_global_array(v, self.sharding, self.global_shape) for k, v in local.items()}
+
+  def get_state(self) -> dict:
+    return self.iterator.get_state()
+
+  def set_state(self, state: dict | bytes) -> None:
+    self.iterator.set_state(json.loads(state) if isinstance(state, bytes) else state)
+
+  def start_prefetch(self) -> None:
+    """Called by Grain's checkpoint handler after a restore; prefetching starts on the next batch anyway."""
