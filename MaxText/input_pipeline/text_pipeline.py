@@ -89,6 +89,10 @@ def make_dataset(
   )
   dataset = dataset.batch(rows, drop_remainder=True).map(_rename)
   if worker_count > 0:
+    from absl import flags  # Grain's workers read absl flags, which a non-absl program never parses.
+
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
   return dataset
 

@@ -211,3 +211,42 @@ def test_bad_data_input_exits_2_with_one_line_and_writes_nothing(tmp_path, text_
   assert rc == 2, (out, err)
   assert err.count("\n") == 1 and message in err, err
   assert not os.path.exists(tmp_path / "out")
+
+
+def _first_batch(cfg):
+  import jax
+
+  from MaxText import input_pipeline, sharding
+
+  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+  input_pipeline.check(cfg)
+  return {k: np.asarray(v) for k, v in next(input_pipeline.create_iterator(cfg, mesh)).items()}
+
+
+def test_grain_tfds_and_hf_sources_give_the_same_batches(tmp_path, text_data):
+  """The demo corpus read as ArrayRecord files, as a TFDS data source and as Hugging Face json lines."""
+  from MaxText import build_demo_dataset
+
+  manifest = build_demo_dataset.build(str(tmp_path / "demo"), max_documents=40, include_debian=False)
+  assert manifest
+  texts = []
+  from array_record.python.array_record_module import ArrayRecordReader
+
+  for path in sorted((tmp_path / "demo/array_record/train").iterdir()):
+    reader = ArrayRecordReader(str(path))
+    texts += [r.decode("utf-8") for r in reader.read_all()]
+    reader.close()
+  with open(tmp_path / "train.jsonl", "w", encoding="utf-8") as f:
+    f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+
+  common = (f"tokenizer_path={text_data}/tok.model", "vocab_size=512", "override_model_config=true")
+  common += ("max_target_length=64", "per_device_batch_size=4")
+  grain_cfg = config("dataset_type=grain", f"grain_train_files={tmp_path}/demo/array_record/train/*", *common)
+  tfds_cfg = config("dataset_type=tfds", f"dataset_path={tmp_path}/demo/tfds", "dataset_name=demo_corpus", *common)
+  hf_cfg = config("dataset_type=hf", "hf_path=json", f"hf_train_files={tmp_path}/train.jsonl", *common)
+  reference = _first_batch(grain_cfg)
+  assert reference["inputs_segmentation"].max() >= 1
+  for cfg in (tfds_cfg, hf_cfg):
+    batch = _first_batch(cfg)
+    for key, value in reference.items():
+      np.testing.assert_array_equal(batch[key], value, err_msg=f"{cfg.dataset_type}: {key}")

@@ -1,0 +1,62 @@
+"""Times the input pipeline alone, as MaxText's standalone_dataloader.py:
+
+    python3 MaxText/standalone_dataloader.py MaxText/configs/demo.yml run_name=x [steps=200 key=value ...]
+
+Builds the training iterator of the config (same mesh, same global arrays) and pulls `steps` batches
+without training, printing batches/s, tokens/s (all rows, and non-padding targets), to set beside the
+train step's consumption (tokens/s per device x devices).
+"""
+
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from MaxText import input_pipeline, sharding, train  # noqa: E402
+from MaxText.pyconfig import ConfigError  # noqa: E402
+
+
+def measure(config, warmup: int = 5) -> dict:
+  """Pulls config.steps batches after `warmup`; returns the rates."""
+  mesh = sharding.create_mesh(config)
+  input_pipeline.check(config)
+  data = input_pipeline.create_iterator(config, mesh)
+  for _ in range(warmup):
+    jax.block_until_ready(next(data))
+  start, real_tokens = time.time(), 0
+  for _ in range(config.steps):
+    batch = next(data)
+    jax.block_until_ready(batch)
+    real_tokens += int(np.sum(jax.device_get(batch["targets_segmentation"]) != 0))
+  seconds = time.time() - start
+  tokens = config.steps * config.global_batch_size * config.max_target_length
+  return {
+    "batches_per_sec": config.steps / seconds,
+    "tokens_per_sec": tokens / seconds,
+    "non_padding_fraction": real_tokens / tokens,
+  }
+
+
+def main(argv) -> int:
+  try:
+    config = train.load_config(argv[1:])
+    rates = measure(config)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(
+    f"dataset_type={config.dataset_type}: {rates['batches_per_sec']:.1f} batches/s, "
+    f"{rates['tokens_per_sec']:,.0f} tokens/s over {config.num_devices} devices "
+    f"({100 * rates['non_padding_fraction']:.1f}% non-padding) for {config.steps} batches of "
+    f"{config.global_batch_size} x {config.max_target_length}"
+  )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
