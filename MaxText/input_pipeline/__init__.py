@@ -98,6 +98,11 @@ def check(config: Config) -> None:
   _source(config, "train")
   if config.eval_interval > 0:
     _source(config, "eval")
+    if config.eval_steps < 0 and jax.process_count() > 1:
+      raise ConfigError(
+        "eval_steps=-1 with several processes: their shares of the eval split may give different batch counts; "
+        "set eval_steps to a positive count"
+      )
 
 
 def create_iterator(config: Config, mesh, start_step: int = 0):
@@ -131,7 +136,8 @@ def _text_iterator(config: Config, mesh, split: str):
     length=config.max_target_length,
     rows=rows.stop - rows.start,
     seed=config.data_shuffle_seed,
-    num_epochs=config.num_epoch if train else 1,
+    # Eval reads its split once, or (eval_steps > 0) cycles it so every process has its eval_steps batches.
+    num_epochs=config.num_epoch if train else (1 if config.eval_steps < 0 else -1),
     process_index=jax.process_index(),
     process_count=jax.process_count(),
     text_key=text_key,
