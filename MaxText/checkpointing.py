@@ -86,7 +86,13 @@ def restore_data(config: Config, manager, step: int, iterator) -> None:
       f"checkpoint {where} has no data iterator state (saved with dataset_type=synthetic?); resume with the "
       "dataset_type it was saved with, or start a new run_name with load_parameters_path"
     )
-  manager.restore(step, args=ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(iterator)}))
+  try:
+    manager.restore(step, args=ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(iterator)}))
+  except (ValueError, FileNotFoundError) as e:  # e.g. saved by another number of processes
+    raise ConfigError(
+      f"checkpoint {where} has no data state for process {jax.process_index()} of {jax.process_count()} "
+      f"({' '.join(str(e).split())[:160]}); resume with the process count it was saved with"
+    ) from None
 
 
 def items_path(key: str, path: str) -> str:

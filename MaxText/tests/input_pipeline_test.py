@@ -272,3 +272,15 @@ def _assert_resumes_exactly(cfg, after=3):
     got = jax.device_get(next(second))
     for key in want:
       np.testing.assert_array_equal(got[key], want[key], err_msg=f"{cfg.dataset_type}: {key}")
+
+
+def test_resume_without_this_process_data_state_exits_2(tmp_path, text_data):
+  args = _grain_args(text_data, "run_name=r", "steps=2", "checkpoint_period=2", "enable_checkpointing=true")
+  rc, _, err = _run(tmp_path, *args)
+  assert rc == 0, err
+  data = tmp_path / "out/r/checkpoints/2/data"
+  (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")  # As if saved by 2 processes.
+  rc, out, err = _run(tmp_path, *_grain_args(text_data, "run_name=r", "steps=4", "enable_checkpointing=true"))
+  assert rc == 2, (out, err)
+  assert err.count("\n") == 1 and "has no data state for process 0 of 1" in err, err
+  assert sorted(p.name for p in (tmp_path / "out/r/checkpoints").iterdir()) == ["2"]
