@@ -161,13 +161,6 @@ def _restore_tree(path: str, target):
     raise _restore_error(path, e) from None
 
 
-def restore_params(path: str, abstract_params, key: str = "load_parameters_path"):
-  """Params from a train-state or params-only checkpoint at `path`, placed by the abstract params' shardings."""
-  path = items_path(key, path)
-  check_compatible(path, {"params": abstract_params})
-  return _restore_tree(path, {"params": abstract_params})["params"]
-
-
 def check_start_paths(config: Config, layout: StateLayout) -> None:
   """Validates load_full_state_path / load_parameters_path against the model, before anything is written."""
   if config.load_full_state_path:

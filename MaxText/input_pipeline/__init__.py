@@ -26,7 +26,7 @@ BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "ta
 
 def _files(key: str, pattern: str) -> list[str]:
   if not pattern:
-    raise ConfigError(f"{key} is empty; give a glob of ArrayRecord files, e.g. ~/maxtext_data/demo/array_record/train/*")
+    raise ConfigError(f"{key} is empty; give a glob of data files, e.g. ~/maxtext_data/demo/array_record/train/*")
   files = sorted(glob.glob(os.path.expanduser(pattern)))
   if not files:
     raise ConfigError(f"{key}={pattern} matches no files; build the demo data with `python3 MaxText/build_demo_dataset.py`")

@@ -41,7 +41,7 @@ def load(path: str):
 
 @dataclasses.dataclass
 class Tokenize:
-  """Text (str or UTF-8 bytes) -> {"tokens": int32 ids}, with BOS/EOS as configured."""
+  """Text (str or UTF-8 bytes) -> int32 token ids, with BOS/EOS as configured."""
 
   path: str
   add_bos: bool
