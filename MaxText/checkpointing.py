@@ -170,6 +170,32 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
     check_compatible(path, {"params": layout.abstract.params})
 
 
+def latest_step(config: Config) -> int | None:
+  """The run's latest complete checkpoint step, read from the folder names (unfinished saves are skipped)."""
+  where = checkpoint_dir(config)
+  steps = [int(n) for n in os.listdir(where) if n.isdigit()] if os.path.isdir(where) else []
+  return max(steps, default=None)
+
+
+def restore_params(config: Config, abstract_params) -> tuple[dict, str]:
+  """Parameters for decoding: from load_parameters_path (or load_full_state_path), else from the run's
+  latest checkpoint; returns (params, where they came from)."""
+  key = "load_parameters_path" if config.load_parameters_path else "load_full_state_path"
+  given = config.load_parameters_path or config.load_full_state_path
+  if given:
+    path = items_path(key, given)
+  else:
+    step = latest_step(config)
+    if step is None:
+      raise ConfigError(
+        f"no parameters to decode: load_parameters_path is empty and run_name={config.run_name} has no checkpoint "
+        f"in {checkpoint_dir(config)}; give load_parameters_path=PATH/checkpoints/STEP/items"
+      )
+    path = os.path.join(checkpoint_dir(config), str(step), ITEM)
+  check_compatible(path, {"params": abstract_params})
+  return _restore_tree(path, {"params": abstract_params})["params"], path
+
+
 @dataclasses.dataclass(frozen=True)
 class StartingPoint:
   state: TrainState

@@ -54,6 +54,7 @@ CHOICES = {
   "rope_type": ("default", "llama3.1"),
   "dataset_type": ("synthetic", "grain", "tfds", "hf"),
   "profiler": ("", "xplane"),
+  "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk"),
 }
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 

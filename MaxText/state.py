@@ -47,11 +47,21 @@ def _boxed_state(model, config, tx, rng) -> TrainState:
 def state_layout(model: nn.Module, config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateLayout:
   """Shapes, dtypes and shardings of the train state, computed without allocating it."""
   boxed = jax.eval_shape(lambda rng: _boxed_state(model, config, tx, rng), jax.random.key(0))
+  return StateLayout(*_abstract(boxed, mesh, config))
+
+
+def _abstract(boxed, mesh: Mesh, config: Config):
+  """Abstract (ShapeDtypeStructs with shardings) and shardings of an eval_shape'd boxed pytree."""
   shardings = sharding.tree_shardings(nn.get_partition_spec(boxed), mesh, config)
   abstract = jax.tree_util.tree_map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.meta.unbox(boxed), shardings
   )
-  return StateLayout(abstract=abstract, shardings=shardings)
+  return abstract, shardings
+
+
+def params_layout(model: nn.Module, config: Config, mesh: Mesh):
+  """(abstract params with shardings, their shardings): the parameters alone, for decoding."""
+  return _abstract(jax.eval_shape(lambda rng: init_params(model, config, rng), jax.random.key(0)), mesh, config)
 
 
 def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:

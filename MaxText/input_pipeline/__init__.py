@@ -30,6 +30,9 @@ def _files(key: str, pattern: str) -> list[str]:
   files = sorted(glob.glob(os.path.expanduser(pattern)))
   if not files:
     raise ConfigError(f"{key}={pattern} matches no files; build the demo data with `python3 MaxText/build_demo_dataset.py`")
+  folders = [f for f in files if os.path.isdir(f)]
+  if folders:
+    raise ConfigError(f"{key}={pattern} matches the folder {folders[0]}; give a glob of its files, e.g. {folders[0]}/*")
   empty = [f for f in files if os.path.getsize(f) == 0]
   if empty:
     raise ConfigError(f"{key}={pattern} matches an empty file {empty[0]}; remove it or rebuild the dataset")

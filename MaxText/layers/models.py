@@ -54,20 +54,29 @@ class Transformer(nn.Module):
   tokens, segment_ids, positions: [batch, length] int32 (segment 0 is padding; positions restart per
   document) -> logits [batch, length, vocab] in the activation dtype. `input_embeddings` [batch, length,
   embed], when given, replaces the token lookup (tests take gradients with respect to it).
+
+  Decoding (`model_mode`, see common_types) returns (logits, kv) instead. Prefill: kv = (keys, values)
+  of every layer, [layers, batch, length, kv_heads, head_dim] each. Autoregressive: length is 1, `cache`
+  is (keys, values) [layers, batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len]
+  marking each row's filled slots, and kv is the new token's (keys, values), [layers, batch, 1, kv_heads,
+  head_dim], for the caller to write into the cache.
   """
 
   config: Config
   mesh: jax.sharding.Mesh | None = None
+  model_mode: str = ct.MODEL_MODE_TRAIN
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, deterministic: bool = True, input_embeddings=None):
-    cfg = self.config
+  def __call__(
+    self, tokens, segment_ids, positions, deterministic: bool = True, input_embeddings=None, cache=None, cache_mask=None
+  ):
+    cfg, mode = self.config, self.model_mode
     embed = Embed(cfg, name="token_embedder")
     x = embed(tokens) if input_embeddings is None else input_embeddings
     x = sharding.constrain(x, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
 
     block = decoder_block(cfg)
-    if cfg.remat_policy != "none":
+    if cfg.remat_policy != "none" and mode == ct.MODEL_MODE_TRAIN:
       block = nn.remat(block, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
     if cfg.scan_layers:
@@ -75,21 +84,27 @@ class Transformer(nn.Module):
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast, nn.broadcast),
+        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
         length=cfg.num_decoder_layers,
         metadata_params={nn.PARTITION_NAME: ct.LAYERS},
       )
-      x, _ = scanned(cfg, self.mesh, deterministic, name="layers")(x, segment_ids, positions)
+      x, kv = scanned(cfg, self.mesh, deterministic, mode, name="layers")(x, segment_ids, positions, cache, cache_mask)
     else:
+      kvs = []
       for i in range(cfg.num_decoder_layers):
-        x, _ = block(cfg, self.mesh, deterministic, name=f"layers_{i}")(x, segment_ids, positions)
+        layer_cache = None if cache is None else jax.tree_util.tree_map(lambda c, i=i: c[i], cache)
+        layer = block(cfg, self.mesh, deterministic, mode, name=f"layers_{i}")
+        x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask)
+        kvs.append(layer_kv)
+      kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *kvs)
 
     x = RMSNorm(cfg, name="decoder_norm")(x)
     if cfg.logits_via_embedding:
       logits = embed.attend(x)
     else:
       logits = DenseGeneral((cfg.vocab_size,), (ct.EMBED, ct.VOCAB), cfg, name="logits_dense")(x)
-    return sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
+    logits = sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
+    return logits if mode == ct.MODEL_MODE_TRAIN else (logits, kv)
 
 
 def init_inputs(batch: int, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:

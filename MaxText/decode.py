@@ -1,0 +1,134 @@
+"""Sampling: `python3 MaxText/decode.py MaxText/configs/base.yml run_name=NAME load_parameters_path=PATH
+tokenizer_path=PATH prompt="I love to" [key=value ...]`.
+
+Loads parameters (load_parameters_path, else the latest checkpoint of run_name), decodes the prompt (or
+every line of decode_prompts_file) with the KV cache and the compiled generate loop of inference/, and
+prints ``Input `PROMPT` -> `OUTPUT` `` per prompt, then the prefill time, the time per generated token and
+tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output starts with TEXT.
+"""
+
+import logging
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from MaxText import checkpointing, sharding, train  # noqa: E402
+from MaxText import state as state_lib  # noqa: E402
+from MaxText.inference import decoding  # noqa: E402
+from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
+from MaxText.layers import models  # noqa: E402
+from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+
+
+def load_tokenizer(config: Config):
+  if not config.tokenizer_path:
+    raise ConfigError("decoding needs tokenizer_path=PATH (the SentencePiece model the checkpoint was trained with)")
+  tokenizer_lib.check_tokenizer(config)
+  return tokenizer_lib.load(config.tokenizer_path)
+
+
+def read_prompts(config: Config) -> list[str]:
+  if not config.decode_prompts_file:
+    return [config.prompt]
+  path = os.path.expanduser(config.decode_prompts_file)
+  if not os.path.isfile(path):
+    raise ConfigError(f"decode_prompts_file={path} does not exist; give a UTF-8 file with one prompt per line")
+  with open(path, encoding="utf-8") as f:
+    prompts = [line.rstrip("\n") for line in f if line.strip()]
+  if not prompts:
+    raise ConfigError(f"decode_prompts_file={path} holds no prompt; write one prompt per line")
+  return prompts
+
+
+def load_params(config: Config, mesh, dtype):
+  """The checkpoint's parameters, sharded, in `dtype` (see Decoder.params_dtype)."""
+  abstract, shardings = state_lib.params_layout(models.Transformer(config, mesh), config, mesh)
+  params, where = checkpointing.restore_params(config, abstract)
+  cast = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype), p), out_shardings=shardings)
+  return cast(params), where
+
+
+class Timer:
+  def __init__(self):
+    self.seconds = 0.0
+
+  def __call__(self, fn, *args):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    self.seconds += time.perf_counter() - start
+    return out
+
+
+def decode(config: Config) -> int:
+  decoding.check(config)
+  tokenizer = load_tokenizer(config)
+  prompts = read_prompts(config)
+  ids = [np.asarray(([tokenizer.bos_id()] if config.add_bos else []) + tokenizer.encode(p), np.int32) for p in prompts]
+  for text, tokens in zip(prompts, ids, strict=True):
+    if len(tokens) > config.max_prefill_predict_length:
+      raise ConfigError(
+        f"prompt {text[:40]!r} is {len(tokens)} tokens but max_prefill_predict_length="
+        f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length and max_target_length"
+      )
+
+  mesh = sharding.create_mesh(config)
+  decoder = decoding.Decoder(
+    config, mesh, eos_id=tokenizer.eos_id(), pad_id=max(tokenizer.pad_id(), 0), num_tokens=tokenizer.get_piece_size()
+  )
+  params, where = load_params(config, mesh, decoder.params_dtype())
+  print(f"Parameters from {where}", flush=True)
+
+  key = jax.random.key(config.decode_sampling_seed)
+  batch = config.micro_batch_size
+  prefill_time, generate_time, compile_time = Timer(), Timer(), Timer()
+  steps = generated = 0  # loop steps run, and tokens they produced over all prompts
+  outputs = []
+  for start in range(0, len(ids), batch):
+    chunk = ids[start : start + batch]
+    tokens, lengths = decoder.put_batch(*decoding.pad_prompts(chunk, batch, config.max_prefill_predict_length))
+    prefill = compile_time(lambda: decoder.prefill.lower(params, tokens, lengths).compile())
+    logits, cache = prefill_time(prefill, params, tokens, lengths)
+    generate = compile_time(lambda: decoder.generate.lower(params, cache, logits, key).compile())
+    out, count = generate_time(generate, params, cache, logits, key)
+    rows = [decoding.strip(row, decoder.eos_id) for row in np.asarray(out)[: len(chunk), : int(count)]]
+    steps += int(count) - 1  # the first token comes from the prefill
+    generated += sum(max(len(r) - 1, 0) for r in rows)  # tokens the loop produced
+    outputs.extend(tokenizer.decode(r.tolist()) for r in rows)
+
+  for text, output in zip(prompts, outputs, strict=True):
+    print(f"Input `{text}` -> `{output}`", flush=True)
+  per_step = generate_time.seconds / max(steps, 1)
+  print(
+    f"Prefill: {prefill_time.seconds * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
+    f"{generate_time.seconds:.3f} s, {per_step * 1e3:.2f} ms per generated token, "
+    f"{generated / max(generate_time.seconds, 1e-9):.1f} tokens/s (batch {batch}); compile {compile_time.seconds:.1f} s",
+    flush=True,
+  )
+  expected = config.autoregressive_decode_assert
+  if expected:
+    wrong = [o for o in outputs if not o.startswith(expected)]
+    if wrong:
+      print(
+        f"error: autoregressive_decode_assert: output {wrong[0][:80]!r} does not start with {expected!r}", file=sys.stderr
+      )
+      return 1
+  return 0
+
+
+def main(argv) -> int:
+  logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter would bury the output.
+  try:
+    return decode(train.load_config(argv[1:]))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

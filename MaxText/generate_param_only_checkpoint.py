@@ -1,0 +1,71 @@
+"""A training checkpoint -> a params-only checkpoint for decoding, as MaxText's script of the same name:
+
+    python3 MaxText/generate_param_only_checkpoint.py MaxText/configs/base.yml run_name=DECODE_RUN \
+      load_full_state_path=RUN/checkpoints/STEP/items [force_unroll=true]
+
+writes {base_output_directory}/DECODE_RUN/checkpoints/0/items holding only `params` (no optimizer state),
+which decode.py and train.py read with load_parameters_path. The model keys must be those of the training
+run. force_unroll=true stores the layers unscanned (layers_0, layers_1, ...) for scan_layers=false
+decoding. An existing checkpoint is never overwritten.
+"""
+
+import logging
+import os
+import sys
+
+if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from MaxText import checkpointing, sharding, train  # noqa: E402
+from MaxText import state as state_lib  # noqa: E402
+from MaxText.layers import models  # noqa: E402
+from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+
+
+def unroll(params: dict, num_layers: int) -> dict:
+  """Scanned params (params["layers"], layers stacked on axis 0) -> unrolled ones (params["layers_<i>"])."""
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(num_layers):
+    out[f"layers_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
+  return out
+
+
+def generate(config: Config) -> str:
+  """Writes the params-only checkpoint; returns its path."""
+  if not (config.load_full_state_path or config.load_parameters_path):
+    raise ConfigError("give the training checkpoint to convert: load_full_state_path=RUN/checkpoints/STEP/items")
+  target = checkpointing.checkpoint_dir(config)
+  if os.path.exists(target) and os.listdir(target):
+    raise ConfigError(f"{target} already holds checkpoints; pick a new run_name for the params-only checkpoint")
+  mesh = sharding.create_mesh(config)
+  abstract, _ = state_lib.params_layout(models.Transformer(config, mesh), config, mesh)
+  params, source = checkpointing.restore_params(config, abstract)
+  if config.force_unroll and config.scan_layers:
+    unrolled = config.replace(scan_layers=False)
+    _, shardings = state_lib.params_layout(models.Transformer(unrolled, mesh), unrolled, mesh)
+    params = jax.jit(lambda p: unroll(p, config.num_decoder_layers), out_shardings=shardings)(params)
+
+  import orbax.checkpoint as ocp
+
+  with ocp.CheckpointManager(target, item_names=(checkpointing.ITEM,)) as manager:
+    manager.save(0, args=ocp.args.Composite(**{checkpointing.ITEM: ocp.args.StandardSave({"params": params})}))
+    manager.wait_until_finished()
+  path = os.path.join(target, "0", checkpointing.ITEM)
+  print(f"Wrote the params of {source} to {path}", flush=True)
+  return path
+
+
+def main(argv) -> int:
+  logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter would bury the output.
+  try:
+    generate(train.load_config(argv[1:]))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

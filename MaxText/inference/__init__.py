@@ -1,0 +1,1 @@
+"""Decoding: the KV cache, sampling and the compiled generate loop (decoding.py, sampling.py)."""

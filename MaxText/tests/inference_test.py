@@ -1,0 +1,244 @@
+"""Decoding: the KV cache against full recomputation, sampling against numpy, batching, sharding, the CLI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from MaxText import decode, generate_param_only_checkpoint, sharding, state, train, train_tokenizer
+from MaxText.inference import decoding
+from MaxText.inference.sampling import Sampling, sample
+from MaxText.layers import models
+from MaxText.tests.helpers import BASE_YML, config, overrides
+
+DECODE = ("max_target_length=48", "max_prefill_predict_length=32", "per_device_batch_size=1")
+
+
+def _params(cfg):
+  model = models.Transformer(cfg)
+  tokens, segments, positions = models.init_inputs(1, cfg.max_target_length)
+  return model, nn.meta.unbox(model.init({"params": jax.random.key(0)}, tokens, segments, positions))["params"]
+
+
+def _decoder(cfg, devices=1):
+  return decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:devices]))
+
+
+def _prompts(cfg, lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in lengths]
+
+
+def _full_forward_greedy(model, params, prompt, n):
+  """Greedy decoding by recomputing the whole forward pass at each step: (tokens, logits of each step).
+
+  The sequence is right-padded to a fixed length (padding is causally after it) so one compile serves.
+  """
+  seq, logits = list(prompt), []
+  width = len(prompt) + n
+  forward = jax.jit(lambda t, s: model.apply({"params": params}, t, s, jnp.arange(width)[None]))
+  for _ in range(n):
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : len(seq)] = seq
+    out = np.asarray(forward(tokens, (tokens * 0 + 1) * (np.arange(width) < len(seq))))[0, len(seq) - 1]
+    logits.append(out)
+    seq.append(int(np.argmax(out)))
+  return np.asarray(seq[len(prompt) :]), np.stack(logits)
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_cache_matches_full_forward_token_for_token(scan):
+  """Prefill + cached steps give the full forward's logits (float32, rtol 1e-5), and the compiled generate
+  loop gives greedy full recomputation's tokens, with GQA, scanned or unrolled."""
+  cfg = config(*DECODE, f"scan_layers={scan}")
+  model, params = _params(cfg)
+  dec = _decoder(cfg)
+  prompt = _prompts(cfg, [11])[0]
+  n = cfg.max_target_length - cfg.max_prefill_predict_length
+  want_tokens, want_logits = _full_forward_greedy(model, params, prompt, n)
+
+  tokens, lengths = decoding.pad_prompts([prompt], 1, cfg.max_prefill_predict_length)
+  logits, cache = dec.prefill(params, *dec.put_batch(tokens, lengths))
+  got = [np.asarray(logits[0])]
+  for token in want_tokens[:-1]:
+    logits, cache = dec.step(params, cache, jnp.asarray([token], jnp.int32))
+    got.append(np.asarray(logits[0]))
+  np.testing.assert_allclose(np.stack(got), want_logits, rtol=1e-5, atol=1e-5)
+
+  assert np.array_equal(dec.decode(params, [prompt])[0], want_tokens)
+
+
+def test_generate_stops_at_eos():
+  cfg = config(*DECODE)
+  _, params = _params(cfg)
+  prompt = _prompts(cfg, [7])[0]
+  full = _decoder(cfg).decode(params, [prompt])[0]
+  eos = int(full[5])
+  first = int(np.flatnonzero(full == eos)[0])
+  stopped = decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), eos_id=eos).decode(params, [prompt])[0]
+  assert np.array_equal(stopped, full[:first])
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def _logits(vocab=50, rows=4, seed=0):
+  return jax.random.normal(jax.random.key(seed), (rows, vocab)) * 3.0
+
+
+def _draws(logits, sampling, n=200):
+  return np.stack([np.asarray(sample(logits, jax.random.key(i), sampling)) for i in range(n)])  # [n, rows]
+
+
+def test_temperature_to_zero_is_greedy():
+  logits = _logits()
+  greedy = np.argmax(np.asarray(logits), axis=-1)
+  for strategy in ("weighted", "topk", "nucleus"):
+    for temperature in (0.0, 1e-4):
+      draws = _draws(logits, Sampling(strategy, temperature=temperature), n=20)
+      assert (draws == greedy).all(), (strategy, temperature)
+
+
+def test_topk_samples_only_the_k_most_likely():
+  logits = _logits()
+  k = 5
+  allowed = np.argsort(-np.asarray(logits, np.float64), axis=-1)[:, :k]
+  draws = _draws(logits, Sampling("topk", temperature=2.0, top_k=k))
+  for row in range(logits.shape[0]):
+    assert set(draws[:, row]) <= set(allowed[row])
+    assert len(set(draws[:, row])) > 1, "the check must be able to fail: more than one token is drawn"
+
+
+def test_nucleus_samples_only_the_smallest_set_reaching_p():
+  logits = _logits()
+  p = 0.6
+  probs = np.exp(np.asarray(logits, np.float64))
+  probs /= probs.sum(-1, keepdims=True)
+  draws = _draws(logits, Sampling("nucleus", temperature=1.0, nucleus_p=p))
+  for row in range(logits.shape[0]):
+    order = np.argsort(-probs[row])
+    size = int(np.searchsorted(np.cumsum(probs[row][order]), p) + 1)  # smallest prefix with mass >= p
+    assert set(draws[:, row]) <= set(order[:size])
+
+
+def test_weighted_sampling_follows_the_softmax():
+  logits = jnp.asarray([[0.0, 1.0, 2.0, -1.0]])
+  draws = _draws(logits, Sampling("weighted", temperature=1.0), n=3000)[:, 0]
+  probs = np.exp(np.asarray(logits[0], np.float64))
+  probs /= probs.sum()
+  freq = np.bincount(draws, minlength=4) / len(draws)
+  sigma = np.sqrt(probs * (1 - probs) / len(draws))
+  assert np.all(np.abs(freq - probs) < 4 * sigma), (freq, probs)
+
+
+def test_sampling_is_reproducible_with_a_seed():
+  cfg = config(*DECODE, "decode_sampling_strategy=weighted", "decode_sampling_temperature=1.5")
+  _, params = _params(cfg)
+  dec = _decoder(cfg)
+  prompts = _prompts(cfg, [5, 9])
+  a, b = dec.decode(params, prompts, seed=3), dec.decode(params, prompts, seed=3)
+  c = dec.decode(params, prompts, seed=4)
+  assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+  assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "weighted"])
+def test_a_row_decodes_as_if_alone(strategy):
+  """Prompts of different lengths (and an empty padding row) batched give each prompt's output alone."""
+  lengths = [3, 30, 9]
+  batched_cfg = config(*DECODE, "per_device_batch_size=4", f"decode_sampling_strategy={strategy}")
+  alone_cfg = config(*DECODE, f"decode_sampling_strategy={strategy}")
+  _, params = _params(batched_cfg)
+  prompts = _prompts(batched_cfg, lengths)
+  batched = _decoder(batched_cfg).decode(params, prompts)
+  alone = [_decoder(alone_cfg).decode(params, [p])[0] for p in prompts]
+  for x, y in zip(batched, alone, strict=True):
+    assert np.array_equal(x, y)
+    assert len(x) == batched_cfg.max_target_length - batched_cfg.max_prefill_predict_length
+
+
+def test_sharded_decode_equals_single_device():
+  """fsdp=4 x tensor=2 on 8 devices: the cache's batch and kv heads are sharded; same logits and tokens."""
+  one = config(*DECODE, "per_device_batch_size=8")
+  eight = config(*DECODE, "per_device_batch_size=1", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
+  _, params = _params(one)
+  prompts = _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3])
+  dec1, dec8 = _decoder(one), _decoder(eight, devices=8)
+  _, shardings = state.params_layout(models.Transformer(eight, dec8.mesh), eight, dec8.mesh)
+  params8 = jax.device_put(params, shardings)
+  tokens, lengths = decoding.pad_prompts(prompts, 8, one.max_prefill_predict_length)
+  logits1, cache1 = dec1.prefill(params, *dec1.put_batch(tokens, lengths))
+  logits8, cache8 = dec8.prefill(params8, *dec8.put_batch(tokens, lengths))
+  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec(decoding.CACHE_KV_AXES, eight)
+  assert len(cache8.keys.sharding.device_set) == 8
+  np.testing.assert_allclose(np.asarray(logits8), np.asarray(logits1), rtol=1e-5, atol=1e-5)
+  step = jnp.asarray(np.argmax(np.asarray(logits1), -1), jnp.int32)
+  np.testing.assert_allclose(
+    np.asarray(dec8.step(params8, cache8, step)[0]), np.asarray(dec1.step(params, cache1, step)[0]), rtol=1e-5, atol=1e-5
+  )
+  out1, out8 = dec1.decode(params, prompts), dec8.decode(params8, prompts)
+  assert all(np.array_equal(x, y) for x, y in zip(out1, out8, strict=True))
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A 2-step training run with a checkpoint, and a SentencePiece tokenizer."""
+  root = tmp_path_factory.mktemp("decode")
+  texts = [f"The {w} of the {v} is {n} and the {v} of the {w} is {n + 1}." for n in range(60) for w, v in [("sun", "sea")]]
+  train_tokenizer.train(texts * 5, vocab_size=300, output=str(root / "tok.model"))
+  common = ("vocab_size=512", "override_model_config=true", f"base_output_directory={root}", "enable_checkpointing=true")
+  train.train(config(*common, "run_name=run", "steps=2", "async_checkpointing=false", num_devices=8))
+  args = (*common, f"tokenizer_path={root}/tok.model", *DECODE)
+  return root, args
+
+
+def _run(main, args, capsys):
+  code = main(["prog", BASE_YML, *overrides(*args)])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_cli_decodes_from_run_and_from_unrolled_params_only_checkpoint(trained, capsys):
+  root, args = trained
+  code, out, err = _run(decode.main, (*args, "run_name=run", "prompt=The sun"), capsys)
+  assert code == 0, err
+  line = next(x for x in out.splitlines() if x.startswith("Input `The sun` -> `"))
+  assert "ms per generated token" in out and "tokens/s" in out
+
+  source = f"load_full_state_path={root}/run/checkpoints/2/items"
+  code, _, err = _run(generate_param_only_checkpoint.main, (*args, "run_name=params", source, "force_unroll=true"), capsys)
+  assert code == 0, err
+  params_only = f"load_parameters_path={root}/params/checkpoints/0/items"
+  code, out, err = _run(decode.main, (*args, "run_name=other", params_only, "scan_layers=false", "prompt=The sun"), capsys)
+  assert code == 0, err
+  assert line in out.splitlines()  # the unrolled copy decodes exactly as the scanned original
+
+  output = line.split("-> `", 1)[1][:-1]
+  assert (
+    _run(decode.main, (*args, "run_name=run", "prompt=The sun", f"autoregressive_decode_assert={output[:5]}"), capsys)[0]
+    == 0
+  )
+  code, _, err = _run(decode.main, (*args, "run_name=run", "prompt=The sun", "autoregressive_decode_assert=zzz"), capsys)
+  assert code == 1 and "does not start with 'zzz'" in err
+
+  code, _, err = _run(generate_param_only_checkpoint.main, (*args, "run_name=params", source), capsys)
+  assert code == 2 and "already holds checkpoints" in err  # never overwritten
+
+
+@pytest.mark.parametrize(
+  "extra, message",
+  [
+    (("run_name=run", "prompt=" + "word " * 40), "max_prefill_predict_length=32"),
+    (("run_name=nothing",), "no parameters to decode"),
+    (("run_name=x", "load_parameters_path={root}/missing/items"), "does not exist"),
+    (("run_name=run", "base_emb_dim=64"), "use the model config it was saved with"),
+    (("run_name=run", "decode_sampling_strategy=beam"), "decode_sampling_strategy='beam' is not supported"),
+    (("run_name=run", "max_prefill_predict_length=48"), "leaves no room to generate"),
+    (("run_name=run", "tokenizer_path={root}/none.model"), "does not exist"),
+  ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, extra, message):
+  root, args = trained
+  code, _, err = _run(decode.main, (*args, *(e.format(root=root) for e in extra)), capsys)
+  assert code == 2
+  assert message in err and len(err.strip().splitlines()) == 1, err
