@@ -1,12 +1,14 @@
 """Decoding: the KV cache against full recomputation, sampling against numpy, batching, sharding, the CLI."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
 
-from MaxText import decode, generate_param_only_checkpoint, sharding, state, train, train_tokenizer
+from MaxText import decode, generate_param_only_checkpoint, inference_microbenchmark, sharding, state, train, train_tokenizer
 from MaxText.inference import decoding
 from MaxText.inference.sampling import Sampling, sample
 from MaxText.layers import models
@@ -78,6 +80,15 @@ def test_generate_stops_at_eos():
   first = int(np.flatnonzero(full == eos)[0])
   stopped = decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), eos_id=eos).decode(params, [prompt])[0]
   assert np.array_equal(stopped, full[:first])
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled():
+  """A tokenizer smaller than vocab_size: decoding samples only ids it can turn into text."""
+  cfg = config(*DECODE, "decode_sampling_strategy=weighted", "decode_sampling_temperature=5.0")
+  _, params = _params(cfg)
+  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+  out = decoding.Decoder(cfg, mesh, num_tokens=10).decode(params, _prompts(cfg, [4]))[0]
+  assert len(out) == 16 and out.max() < 10
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -223,6 +234,28 @@ def test_cli_decodes_from_run_and_from_unrolled_params_only_checkpoint(trained, 
 
   code, _, err = _run(generate_param_only_checkpoint.main, (*args, "run_name=params", source), capsys)
   assert code == 2 and "already holds checkpoints" in err  # never overwritten
+
+
+def test_microbenchmark_reports_times_and_bandwidth(trained, tmp_path, capsys):
+  root, args = trained
+  log = tmp_path / "bench.json"
+  bench = (
+    "inference_microbenchmark_prefill_lengths=8,32",
+    "inference_microbenchmark_batch_sizes=8",
+    "inference_microbenchmark_loop_iters=2",
+    "memory_bandwidth_gbps=100",
+    f"inference_microbenchmark_log_file_path={log}",
+  )
+  code, out, err = _run(inference_microbenchmark.main, (*args, "run_name=run", *bench), capsys)
+  assert code == 0, err
+  rows = json.loads(log.read_text())["results"]
+  assert [(r["batch"], r["prefill_length"]) for r in rows] == [(8, 8), (8, 32)]
+  for r in rows:
+    assert r["prefill_ms"] > 0 and r["step_ms"] > 0 and r["loop_tokens_per_s"] > 0
+    assert r["bandwidth_fraction"] == pytest.approx(r["bytes_per_step"] / (r["step_ms"] / 1e3) / 1e9 / 8 / 100)
+  bad = ("run_name=run", "inference_microbenchmark_prefill_lengths=8", "inference_microbenchmark_batch_sizes=3")
+  code, _, err = _run(inference_microbenchmark.main, (*args, *bad), capsys)
+  assert code == 2 and "must split over the 8 data x fsdp shards" in err
 
 
 @pytest.mark.parametrize(
