@@ -71,6 +71,8 @@ def decode(config: Config) -> int:
   prompts = read_prompts(config)
   ids = [np.asarray(([tokenizer.bos_id()] if config.add_bos else []) + tokenizer.encode(p), np.int32) for p in prompts]
   for text, tokens in zip(prompts, ids, strict=True):
+    if len(tokens) == 0:
+      raise ConfigError("the prompt is empty (and add_bos=false); give a prompt or set add_bos=true")
     if len(tokens) > config.max_prefill_predict_length:
       raise ConfigError(
         f"prompt {text[:40]!r} is {len(tokens)} tokens but max_prefill_predict_length="

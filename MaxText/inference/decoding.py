@@ -118,7 +118,7 @@ class Decoder:
     """The dtype decoding keeps parameters in. On GPU and TPU, the activation dtype when it is narrower than
     weight_dtype: every use casts a parameter to the activation dtype first, so results are the same and
     each step reads half the bytes. On CPU, weight_dtype: XLA hoists the cast out of the generate loop, and
-    its bfloat16 dots ran faster from float32 storage (1.93 vs 2.85 ms per step, docs/PERFORMANCE.md)."""
+    its bfloat16 dots ran the generate loop faster from float32 storage (docs/PERFORMANCE.md)."""
     dtype, weight = DTYPES[self.config.dtype], DTYPES[self.config.weight_dtype]
     if self.mesh.devices.flat[0].platform == "cpu":
       return weight
