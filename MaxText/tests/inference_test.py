@@ -71,6 +71,17 @@ def test_cache_matches_full_forward_token_for_token(scan):
   assert np.array_equal(dec.decode(params, [prompt])[0], want_tokens)
 
 
+def test_prompt_lengths_share_compiled_programs():
+  """Prompts in one bucket reuse one prefill program; the generate loop compiles once for every bucket."""
+  cfg = config(*DECODE)
+  _, params = _params(cfg)
+  dec = _decoder(cfg)
+  for lengths, prefills in (([5], 1), ([9], 1), ([16], 1), ([17], 2), ([30], 2)):
+    dec.decode(params, _prompts(cfg, lengths))
+    assert dec.prefill._cache_size() == prefills, lengths
+    assert dec.generate._cache_size() == 1, lengths
+
+
 def test_generate_stops_at_eos():
   cfg = config(*DECODE)
   _, params = _params(cfg)
