@@ -7,7 +7,6 @@ prints ``Input `PROMPT` -> `OUTPUT` `` per prompt, then the prefill time, the ti
 tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output starts with TEXT.
 """
 
-import logging
 import os
 import sys
 import time
@@ -124,12 +123,7 @@ def decode(config: Config) -> int:
 
 
 def main(argv) -> int:
-  logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter would bury the output.
-  try:
-    return decode(train.load_config(argv[1:]))
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
+  return train.run_cli(decode, argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ run. force_unroll=true stores the layers unscanned (layers_0, layers_1, ...) for
 decoding. An existing checkpoint is never overwritten.
 """
 
-import logging
 import os
 import sys
 
@@ -58,13 +57,7 @@ def generate(config: Config) -> str:
 
 
 def main(argv) -> int:
-  logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter would bury the output.
-  try:
-    generate(train.load_config(argv[1:]))
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
-  return 0
+  return train.run_cli(generate, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ time: the memory bandwidth used, and its fraction of the device's peak where tha
 """
 
 import json
-import logging
 import os
 import statistics
 import sys
@@ -182,13 +181,7 @@ def _describe(row: dict) -> str:
 
 
 def main(argv) -> int:
-  logging.getLogger("absl").setLevel(logging.ERROR)
-  try:
-    benchmark(train.load_config(argv[1:]))
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
-  return 0
+  return train.run_cli(benchmark, argv)
 
 
 if __name__ == "__main__":

@@ -321,20 +321,30 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def main(argv) -> int:
+def run_cli(body, argv) -> int:
+  """A script's exit code: runs body(config) for the command line `argv` (an int it returns is the exit code,
+  anything else means 0); a user mistake (ConfigError, exit 2) or a failed run (TrainingError, exit 1) is one
+  line on stderr instead of a traceback."""
   logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
   try:
-    config = load_config(argv[1:])
-    if config.log_config:
-      log("Config: " + " ".join(f"{k}={v}" for k, v in sorted(config.as_dict().items()) if k != "logical_axis_rules"))
-    train(config)
+    code = body(load_config(argv[1:]))
+    return code if isinstance(code, int) else 0
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 2
   except TrainingError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1
-  return 0
+
+
+def _train_cli(config: Config) -> None:
+  if config.log_config:
+    log("Config: " + " ".join(f"{k}={v}" for k, v in sorted(config.as_dict().items()) if k != "logical_axis_rules"))
+  train(config)
+
+
+def main(argv) -> int:
+  return run_cli(_train_cli, argv)
 
 
 if __name__ == "__main__":
