@@ -202,8 +202,7 @@ class Decoder:
 
   def put_batch(self, tokens: np.ndarray, lengths: np.ndarray):
     """Host arrays -> device arrays with the batch sharded as the cache is."""
-    rows = sharding.logical_sharding((ct.CACHE_BATCH,), self.mesh, self.config)
-    return jax.device_put(tokens, self.batch_sharding), jax.device_put(lengths, rows)
+    return jax.device_put(tokens, self.batch_sharding), jax.device_put(lengths, self.cache_shardings.positions)
 
   def decode(self, params, prompts: list[np.ndarray], seed: int | None = None) -> list[np.ndarray]:
     """Token lists -> generated token lists (up to and without EOS), one per prompt, batched by the
