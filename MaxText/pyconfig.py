@@ -301,7 +301,7 @@ def _validate(values: Mapping) -> None:
       f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
       f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
     )
-  if values["head_dim"] % 2:
+  if values["head_dim"] % 2 and values["decoder_block"] != "gpt3":
     raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
   if not 0.0 <= values["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate={values['dropout_rate']} must be in [0, 1)")

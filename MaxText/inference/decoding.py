@@ -39,6 +39,7 @@ class Cache:
   keys: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim], after RoPE
   values: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim]
   mask: jax.Array  # [batch, max_target_length] bool: the slots each row attends to
+  slot_positions: jax.Array  # [batch, max_target_length] int32: the token position held in each slot
   positions: jax.Array  # [batch] int32: position of each row's next token
   slot: jax.Array  # int32: the slot the next token's keys and values are written to
 
@@ -106,6 +107,7 @@ class Decoder:
       keys=kv,
       values=kv,
       mask=sharding.logical_sharding((ct.CACHE_BATCH, ct.CACHE_SEQUENCE), self.mesh, cfg),
+      slot_positions=sharding.logical_sharding((ct.CACHE_BATCH, ct.CACHE_SEQUENCE), self.mesh, cfg),
       positions=rows,
       slot=sharding.logical_sharding((), self.mesh, cfg),
     )
@@ -139,7 +141,9 @@ class Decoder:
       return jax.lax.dynamic_update_slice(jnp.zeros(shape, prompt_kv.dtype), prompt_kv, (0, 0, 0, 0, 0))
 
     mask = jnp.zeros((batch, cfg.max_target_length), bool).at[:, :width].set(segments.astype(bool))
-    cache = Cache(place(keys), place(values), mask, lengths.astype(jnp.int32), jnp.asarray(width, jnp.int32))
+    slot_positions = jnp.zeros((batch, cfg.max_target_length), jnp.int32).at[:, :width].set(positions)
+    width = jnp.asarray(width, jnp.int32)
+    cache = Cache(place(keys), place(values), mask, slot_positions, lengths.astype(jnp.int32), width)
     return last, cache
 
   def _step(self, params, cache: Cache, tokens):
@@ -154,12 +158,14 @@ class Decoder:
       cache.positions[:, None],
       cache=(cache.keys, cache.values),
       cache_mask=cache.mask,
+      cache_positions=cache.slot_positions,
     )
     at = (0, 0, cache.slot, 0, 0)
     cache = Cache(
       keys=jax.lax.dynamic_update_slice(cache.keys, keys.astype(cache.keys.dtype), at),
       values=jax.lax.dynamic_update_slice(cache.values, values.astype(cache.values.dtype), at),
       mask=jax.lax.dynamic_update_slice(cache.mask, jnp.ones((batch, 1), bool), (0, cache.slot)),
+      slot_positions=jax.lax.dynamic_update_slice(cache.slot_positions, cache.positions[:, None], (0, cache.slot)),
       positions=cache.positions + 1,
       slot=cache.slot + 1,
     )

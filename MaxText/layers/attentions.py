@@ -9,21 +9,37 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.layers.embeddings import apply_rope, rope_frequencies
 from MaxText.layers.linears import PRECISIONS, DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
 from MaxText.pyconfig import Config
 
 # Added to masked logits: large but finite, so a row never becomes NaN (MaxText's DEFAULT_MASK_VALUE).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-  """[batch, 1, 1, q_len, kv_len] bool: causal, and only within the same segment (packed document)."""
+def attention_mask(segment_ids: jax.Array, positions: jax.Array, window=0) -> jax.Array:
+  """[batch, 1, 1, q_len, kv_len] bool: causal, only within the same segment (packed document), and, for a
+  positive `window` (sliding-window attention), only the keys less than `window` positions back."""
   length = segment_ids.shape[1]
   causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (causal[None] & same_segment)[:, None, None]
+  mask = causal[None] & same_segment & within_window(positions[:, :, None], positions[:, None, :], window)
+  return mask[:, None, None]
 
 
-def dot_product_attention(q, k, v, segment_ids, precision):
+def within_window(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
+  """Key positions a query may see under sliding-window attention (q - k < window); all of them when window <= 0.
+  `window` may be traced (Gemma 2 alternates local and global layers inside one scan)."""
+  if isinstance(window, int) and window <= 0:
+    return jnp.asarray(True)
+  return (jnp.asarray(window) <= 0) | (q_pos - k_pos < window)
+
+
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(logits / cap) (Gemma 2's logit soft-capping); identity for cap <= 0."""
+  return cap * jnp.tanh(logits / cap) if cap > 0 else logits
+
+
+def dot_product_attention(q, k, v, segment_ids, positions, precision, window=0, cap=0.0):
   """softmax(q k^T + mask) v with grouped heads; the softmax runs in float32.
 
   q: [batch, length, heads, head_dim] (already scaled); k, v: [batch, length, kv_heads, head_dim];
@@ -33,30 +49,36 @@ def dot_product_attention(q, k, v, segment_ids, precision):
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
-  logits = jnp.where(attention_mask(segment_ids), logits, MASK_VALUE)
+  logits = jnp.where(attention_mask(segment_ids, positions, window), soft_cap(logits, cap), MASK_VALUE)
   weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=precision)
-  return out.reshape(b, t, h, d)
+  return out.reshape(b, t, h, -1)
 
 
-def cached_attention(q, k, v, cache_k, cache_v, cache_mask, precision):
+def cached_attention(
+  q, k, v, cache_k, cache_v, cache_mask, precision, window=0, cap=0.0, positions=None, cache_positions=None
+):
   """One new token per row attending to the KV cache and to itself (autoregressive decoding).
 
   q: [batch, 1, heads, head_dim] (scaled); k, v: [batch, 1, kv_heads, head_dim], the new token's;
   cache_k, cache_v: [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots
-  holding this row's earlier tokens. The cache is read in place (the new token is not written into it
-  here): one softmax over [cache slots, new token].
+  holding this row's earlier tokens; positions [batch, 1] and cache_positions [batch, cache_len], the token
+  positions, matter only for sliding-window attention. The cache is read in place (the new token is not
+  written into it here): one softmax over [cache slots, new token].
   """
   b, t, h, d = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
   past = jnp.einsum("btkgd,bskd->bkgts", q, cache_k, precision=precision, preferred_element_type=jnp.float32)
-  past = jnp.where(cache_mask[:, None, None, None, :], past, MASK_VALUE)
+  visible = cache_mask
+  if positions is not None:
+    visible = visible & within_window(positions, cache_positions, window)
+  past = jnp.where(visible[:, None, None, None, :], soft_cap(past, cap), MASK_VALUE)
   own = jnp.einsum("btkgd,btkd->bkgt", q, k, precision=precision, preferred_element_type=jnp.float32)[..., None]
-  weights = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1).astype(v.dtype)
+  weights = jax.nn.softmax(jnp.concatenate([past, soft_cap(own, cap)], axis=-1), axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", weights[..., :-1], cache_v, precision=precision)
   out = out + jnp.einsum("bkgt,btkd->btkgd", weights[..., -1], v, precision=precision)
-  return out.reshape(b, t, h, d)
+  return out.reshape(b, t, h, -1)
 
 
 class Attention(nn.Module):
@@ -65,36 +87,59 @@ class Attention(nn.Module):
   x [batch, length, embed], segment_ids and positions [batch, length] -> (out [batch, length, embed], kv).
   In train mode kv is None. In prefill mode kv is this layer's (keys, values) [batch, length, kv_heads,
   head_dim], keys after RoPE, for the cache. In autoregressive mode length is 1, `cache` is this layer's
-  (keys, values) [batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len], and kv is the
-  new token's (keys, values), which the caller writes into the cache.
+  (keys, values) [batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len] and the slots'
+  `cache_positions`, and kv is the new token's (keys, values), which the caller writes into the cache.
+
+  Family options: use_bias (GPT), use_rope (all but GPT, which has learned positions), use_qk_norm (Qwen 3:
+  RMSNorm of each query and key head before RoPE), and from the config query_pre_attn_scalar (Gemma 2:
+  queries scaled by its inverse square root instead of head_dim's), attn_logits_soft_cap (Gemma 2), and
+  `sliding_window` (Mistral, Gemma 2's local layers), a call argument because it may differ by layer.
   """
 
   config: Config
   mesh: jax.sharding.Mesh | None = None
   model_mode: str = ct.MODEL_MODE_TRAIN
+  use_bias: bool = False
+  use_rope: bool = True
+  use_qk_norm: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache=None, cache_mask=None):
+  def __call__(
+    self,
+    x: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    cache=None,
+    cache_mask=None,
+    cache_positions=None,
+    sliding_window=0,
+  ):
     cfg = self.config
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    q = DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, name="query")(x)
-    k = DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, name="key")(x)
-    v = DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, name="value")(x)
+    bias = self.use_bias
+    q = DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="query")(x)
+    k = DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="key")(x)
+    v = DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="value")(x)
     q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     q = sharding.constrain(q, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     k = sharding.constrain(k, (ct.BATCH, ct.LENGTH, ct.ACT_KV_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     v = sharding.constrain(v, (ct.BATCH, ct.LENGTH, ct.ACT_KV_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
 
-    freq = rope_frequencies(cfg, head_dim)
-    q = apply_rope(q, positions, freq) * jnp.asarray(head_dim**-0.5, q.dtype)
-    k = apply_rope(k, positions, freq)
+    if self.use_qk_norm:
+      q = RMSNorm(cfg, name="query_norm")(q)
+      k = RMSNorm(cfg, name="key_norm")(k)
+    if self.use_rope:
+      freq = rope_frequencies(cfg, head_dim)
+      q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
+    q = q * jnp.asarray((cfg.query_pre_attn_scalar or head_dim) ** -0.5, q.dtype)
     precision = PRECISIONS[cfg.matmul_precision]
+    window, cap = sliding_window, cfg.attn_logits_soft_cap
     if self.model_mode == ct.MODEL_MODE_AUTOREGRESSIVE:
       cache_k, cache_v = (sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
-      out = cached_attention(q, k, v, cache_k, cache_v, cache_mask, precision)
+      out = cached_attention(q, k, v, cache_k, cache_v, cache_mask, precision, window, cap, positions, cache_positions)
     else:
-      out = dot_product_attention(q, k, v, segment_ids, precision)
+      out = dot_product_attention(q, k, v, segment_ids, positions, precision, window, cap)
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
-    out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, name="out")(out)
+    out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=bias, name="out")(out)
     kv = None if self.model_mode == ct.MODEL_MODE_TRAIN else (k, v)
     return checkpoint_name(out, "out_proj"), kv

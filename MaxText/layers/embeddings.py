@@ -11,16 +11,18 @@ from MaxText.pyconfig import Config
 
 
 class Embed(nn.Module):
-  """Token embedding table [vocab, embed], initialised N(0, 1) as in MaxText."""
+  """Embedding table [num_embeddings (default vocab_size), embed], initialised N(0, 1) as in MaxText; also the
+  learned position table of GPT (num_embeddings=trainable_position_size)."""
 
   config: Config
+  num_embeddings: int | None = None
 
   def setup(self):
     _, weight_dtype = dtypes(self.config)
     self.embedding = self.param(
       "embedding",
       nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), (ct.VOCAB, ct.EMBED)),
-      (self.config.vocab_size, self.config.emb_dim),
+      (self.num_embeddings or self.config.vocab_size, self.config.emb_dim),
       weight_dtype,
     )
 

@@ -33,13 +33,14 @@ class DenseGeneral(nn.Module):
 
   W has shape in_features + features and logical axes `kernel_axes`; it is stored in weight_dtype and
   used in the activation dtype. Initialised by LeCun-normal (truncated, fan-in over all input axes), as
-  MaxText's `nd_dense_init(1.0, "fan_in", "truncated_normal")`.
+  MaxText's `nd_dense_init(1.0, "fan_in", "truncated_normal")`. use_bias adds b [features] (zeros at init).
   """
 
   features: Sequence[int]
   kernel_axes: Sequence[str]
   config: Config
   num_in: int = 1
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -59,31 +60,38 @@ class DenseGeneral(nn.Module):
     )
     contract_x = tuple(range(x.ndim - self.num_in, x.ndim))
     contract_w = tuple(range(self.num_in))
-    return jax.lax.dot_general(
+    y = jax.lax.dot_general(
       x.astype(dtype),
       kernel.astype(dtype),
       ((contract_x, contract_w), ((), ())),
       precision=PRECISIONS[self.config.matmul_precision],
     )
+    if self.use_bias:
+      bias_axes = tuple(self.kernel_axes)[self.num_in :]
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, weight_dtype)
+      y = y + bias.astype(dtype)
+    return y
 
 
 class MlpBlock(nn.Module):
-  """Gated MLP: wo(prod_i act_i(wi_i x)), e.g. SwiGLU for mlp_activations=[silu, linear] (Shazeer 2020).
+  """Gated MLP: wo(prod_i act_i(wi_i x)), e.g. SwiGLU for mlp_activations=[silu, linear] (Shazeer 2020), GeGLU
+  for [gelu, linear] (Gemma), or one GELU projection for [gelu] (GPT-2/3, with use_bias).
 
   x: [batch, length, embed] -> [batch, length, embed].
   """
 
   config: Config
   mesh: jax.sharding.Mesh | None = None
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     hidden = None
     for i, act in enumerate(cfg.mlp_activations):
-      h = DenseGeneral((cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, name=f"wi_{i}")(x)
+      h = DenseGeneral((cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, name=f"wi_{i}")(x)
       h = ACTIVATIONS[act](checkpoint_name(h, "mlpwi"))
       hidden = h if hidden is None else hidden * h
     hidden = sharding.constrain(hidden, (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
-    out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, name="wo")(hidden)
+    out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, use_bias=self.use_bias, name="wo")(hidden)
     return checkpoint_name(out, "mlpwo")

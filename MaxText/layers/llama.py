@@ -1,4 +1,10 @@
-"""The Llama 2/3 decoder layer (Touvron et al. 2023): pre-norm attention and SwiGLU MLP, residuals."""
+"""The Llama 2/3 decoder layer (Touvron et al. 2023): pre-norm attention and SwiGLU MLP, residuals.
+
+Mistral, Gemma and Qwen 3 share its structure and subclass it (mistral.py, gemma.py, qwen3.py); the class
+attributes below are what they change.
+"""
+
+from typing import ClassVar
 
 import jax
 from flax import linen as nn
@@ -14,8 +20,9 @@ from MaxText.pyconfig import Config
 class LlamaDecoderLayer(nn.Module):
   """x [batch, length, embed] -> (x [batch, length, embed], kv): a scan carry and a per-layer output.
 
-  kv is None in train mode, else the attention's keys and values (see Attention); `cache` and
-  `cache_mask` are used in autoregressive mode only.
+  kv is None in train mode, else the attention's keys and values (see Attention); `cache`, `cache_mask` and
+  `cache_positions` are used in autoregressive mode only. `layer_index` (an int, or traced inside a scan)
+  lets a family vary attention by layer.
   """
 
   config: Config
@@ -23,18 +30,38 @@ class LlamaDecoderLayer(nn.Module):
   deterministic: bool = True
   model_mode: str = ct.MODEL_MODE_TRAIN
 
+  # Family traits, read by the Transformer too.
+  norm_scale_offset: ClassVar[float] = 0.0  # Gemma: RMSNorm weights are stored as an offset from 1.
+  scale_embeddings: ClassVar[bool] = False  # Gemma: token embeddings are multiplied by sqrt(emb_dim).
+  qk_norm: ClassVar[bool] = False  # Qwen 3: RMSNorm of each query and key head.
+
+  @classmethod
+  def norm(cls, config: Config, name: str) -> nn.Module:
+    return RMSNorm(config, scale_offset=cls.norm_scale_offset, name=name)
+
+  def sliding_window(self, layer_index) -> int | jax.Array:
+    """Sliding-window size of attention in this layer; 0 attends to the whole context."""
+    del layer_index
+    return 0
+
+  def attention(self) -> Attention:
+    return Attention(self.config, self.mesh, self.model_mode, use_qk_norm=self.qk_norm, name="self_attention")
+
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache=None, cache_mask=None):
+  def __call__(
+    self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, layer_index=0
+  ) -> tuple[jax.Array, tuple | None]:
     cfg = self.config
     act_axes = (ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
     x = sharding.constrain(x, act_axes, self.mesh, cfg)
     dropout = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))
 
-    h = RMSNorm(cfg, name="pre_self_attention_layer_norm")(x)
-    h, kv = Attention(cfg, self.mesh, self.model_mode, name="self_attention")(h, segment_ids, positions, cache, cache_mask)
+    h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
+    window = self.sliding_window(layer_index)
+    h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions, window)
     x = x + dropout(h, deterministic=self.deterministic)
 
-    h = RMSNorm(cfg, name="post_self_attention_layer_norm")(x)
+    h = self.norm(cfg, "post_self_attention_layer_norm")(x)
     h = MlpBlock(cfg, self.mesh, name="mlp")(h)
     x = x + dropout(h, deterministic=self.deterministic)
     return sharding.constrain(x, act_axes, self.mesh, cfg), kv

@@ -10,13 +10,25 @@ from flax import linen as nn
 
 from MaxText import common_types as ct
 from MaxText import sharding
+from MaxText.layers.attentions import soft_cap
 from MaxText.layers.embeddings import Embed
+from MaxText.layers.gemma import GemmaDecoderLayer
+from MaxText.layers.gemma2 import Gemma2DecoderLayer
+from MaxText.layers.gpt3 import Gpt3DecoderLayer
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.llama import LlamaDecoderLayer
-from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.mistral import MistralDecoderLayer
+from MaxText.layers.qwen3 import Qwen3DecoderLayer
 from MaxText.pyconfig import Config, ConfigError
 
-DECODER_BLOCKS = {"llama2": LlamaDecoderLayer}
+DECODER_BLOCKS = {
+  "llama2": LlamaDecoderLayer,  # Llama 2 and 3 (and 3.1 with rope_type=llama3.1)
+  "mistral": MistralDecoderLayer,
+  "gemma": GemmaDecoderLayer,
+  "gemma2": Gemma2DecoderLayer,
+  "qwen3": Qwen3DecoderLayer,
+  "gpt3": Gpt3DecoderLayer,
+}
 
 _SAVE_NAMES = {
   "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
@@ -58,8 +70,9 @@ class Transformer(nn.Module):
   Decoding (`model_mode`, see common_types) returns (logits, kv) instead. Prefill: kv = (keys, values)
   of every layer, [layers, batch, length, kv_heads, head_dim] each. Autoregressive: length is 1, `cache`
   is (keys, values) [layers, batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len]
-  marking each row's filled slots, and kv is the new token's (keys, values), [layers, batch, 1, kv_heads,
-  head_dim], for the caller to write into the cache.
+  marking each row's filled slots and `cache_positions` [batch, cache_len] their token positions, and kv
+  is the new token's (keys, values), [layers, batch, 1, kv_heads, head_dim], for the caller to write into
+  the cache.
   """
 
   config: Config
@@ -68,14 +81,27 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(
-    self, tokens, segment_ids, positions, deterministic: bool = True, input_embeddings=None, cache=None, cache_mask=None
+    self,
+    tokens,
+    segment_ids,
+    positions,
+    deterministic: bool = True,
+    input_embeddings=None,
+    cache=None,
+    cache_mask=None,
+    cache_positions=None,
   ):
     cfg, mode = self.config, self.model_mode
+    family = decoder_block(cfg)
     embed = Embed(cfg, name="token_embedder")
     x = embed(tokens) if input_embeddings is None else input_embeddings
+    if family.scale_embeddings:
+      x = x * jnp.asarray(cfg.emb_dim**0.5, x.dtype)
+    if cfg.trainable_position_size > 0:
+      x = x + Embed(cfg, cfg.trainable_position_size, name="position_embedder")(positions)
     x = sharding.constrain(x, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
 
-    block = decoder_block(cfg)
+    block = family
     if cfg.remat_policy != "none" and mode == ct.MODEL_MODE_TRAIN:
       block = nn.remat(block, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
@@ -84,25 +110,28 @@ class Transformer(nn.Module):
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, 0),
         length=cfg.num_decoder_layers,
         metadata_params={nn.PARTITION_NAME: ct.LAYERS},
       )
-      x, kv = scanned(cfg, self.mesh, deterministic, mode, name="layers")(x, segment_ids, positions, cache, cache_mask)
+      layers = scanned(cfg, self.mesh, deterministic, mode, name="layers")
+      index = jnp.arange(cfg.num_decoder_layers)
+      x, kv = layers(x, segment_ids, positions, cache, cache_mask, cache_positions, index)
     else:
       kvs = []
       for i in range(cfg.num_decoder_layers):
         layer_cache = None if cache is None else jax.tree_util.tree_map(lambda c, i=i: c[i], cache)
         layer = block(cfg, self.mesh, deterministic, mode, name=f"layers_{i}")
-        x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask)
+        x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask, cache_positions, i)
         kvs.append(layer_kv)
       kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *kvs)
 
-    x = RMSNorm(cfg, name="decoder_norm")(x)
+    x = family.norm(cfg, "decoder_norm")(x)
     if cfg.logits_via_embedding:
       logits = embed.attend(x)
     else:
       logits = DenseGeneral((cfg.vocab_size,), (ct.EMBED, ct.VOCAB), cfg, name="logits_dense")(x)
+    logits = soft_cap(logits, cfg.final_logits_soft_cap)
     logits = sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
     return logits if mode == ct.MODEL_MODE_TRAIN else (logits, kv)
 

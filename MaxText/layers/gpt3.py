@@ -1,0 +1,44 @@
+"""The GPT-3 decoder layer (Brown et al. 2020, arXiv:2005.14165), i.e. GPT-2's architecture (Radford et al. 2019).
+
+Pre-LayerNorm (with bias) attention and a GELU MLP, biases on every projection, no RoPE: positions come from
+a learned table (trainable_position_size, in the Transformer), and the output projection is tied to the
+token embedding. Hugging Face's GPT2LMHeadModel is its reference. (GPT-3's alternating sparse attention is
+not modelled, as in MaxText.)
+"""
+
+from flax import linen as nn
+
+from MaxText import common_types as ct
+from MaxText import sharding
+from MaxText.layers.attentions import Attention
+from MaxText.layers.linears import MlpBlock
+from MaxText.layers.llama import LlamaDecoderLayer
+from MaxText.layers.normalizations import LayerNorm
+from MaxText.pyconfig import Config
+
+
+class Gpt3DecoderLayer(LlamaDecoderLayer):
+  """x [batch, length, embed] -> (x, kv), as LlamaDecoderLayer, with LayerNorms, biases and no RoPE."""
+
+  @classmethod
+  def norm(cls, config: Config, name: str) -> nn.Module:
+    return LayerNorm(config, name=name)
+
+  def attention(self) -> Attention:
+    return Attention(self.config, self.mesh, self.model_mode, use_bias=True, use_rope=False, name="self_attention")
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, layer_index=0):
+    cfg = self.config
+    act_axes = (ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
+    x = sharding.constrain(x, act_axes, self.mesh, cfg)
+    dropout = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))
+
+    h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
+    h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions)
+    x = x + dropout(h, deterministic=self.deterministic)
+
+    h = self.norm(cfg, "post_self_attention_layer_norm")(x)
+    h = MlpBlock(cfg, self.mesh, use_bias=True, name="mlp")(h)
+    x = x + dropout(h, deterministic=self.deterministic)
+    return sharding.constrain(x, act_axes, self.mesh, cfg), kv
