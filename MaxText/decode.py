@@ -25,11 +25,12 @@ from MaxText.layers import models  # noqa: E402
 from MaxText.pyconfig import Config, ConfigError  # noqa: E402
 
 
-def load_tokenizer(config: Config):
+def load_tokenizer(config: Config) -> tokenizer_lib.Tokenizer:
   if not config.tokenizer_path:
-    raise ConfigError("decoding needs tokenizer_path=PATH (the SentencePiece model the checkpoint was trained with)")
-  tokenizer_lib.check_tokenizer(config)
-  return tokenizer_lib.load(config.tokenizer_path)
+    raise ConfigError(
+      "decoding needs tokenizer_path=PATH and tokenizer_type= (the tokenizer the checkpoint was trained with)"
+    )
+  return tokenizer_lib.check_tokenizer(config)
 
 
 def read_prompts(config: Config) -> list[str]:
@@ -68,7 +69,7 @@ def decode(config: Config) -> int:
   decoding.check(config)
   tokenizer = load_tokenizer(config)
   prompts = read_prompts(config)
-  ids = [np.asarray(([tokenizer.bos_id()] if config.add_bos else []) + tokenizer.encode(p), np.int32) for p in prompts]
+  ids = [np.asarray(([tokenizer.bos_id] if config.add_bos else []) + tokenizer.encode(p), np.int32) for p in prompts]
   for text, tokens in zip(prompts, ids, strict=True):
     if len(tokens) == 0:
       raise ConfigError("the prompt is empty (and add_bos=false); give a prompt or set add_bos=true")
@@ -80,7 +81,7 @@ def decode(config: Config) -> int:
 
   mesh = sharding.create_mesh(config)
   decoder = decoding.Decoder(
-    config, mesh, eos_id=tokenizer.eos_id(), pad_id=max(tokenizer.pad_id(), 0), num_tokens=tokenizer.get_piece_size()
+    config, mesh, eos_id=tokenizer.eos_id, pad_id=max(tokenizer.pad_id, 0), num_tokens=tokenizer.vocab_size
   )
   params, where = load_params(config, mesh, decoder.params_dtype())
   print(f"Parameters from {where}", flush=True)

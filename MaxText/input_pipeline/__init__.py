@@ -135,7 +135,7 @@ def _text_iterator(config: Config, mesh, split: str):
   source, text_key = _source(config, split)
   dataset = text_pipeline.make_dataset(
     source,
-    tokenize=Tokenize(os.path.expanduser(config.tokenizer_path), config.add_bos, config.add_eos),
+    tokenize=Tokenize.from_config(config),
     length=config.max_target_length,
     rows=rows.stop - rows.start,
     seed=config.data_shuffle_seed,

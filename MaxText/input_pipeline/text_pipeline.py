@@ -3,7 +3,7 @@
   a random-access source of documents (ArrayRecord files, a TFDS data source, a Hugging Face dataset)
     -> this process's share: documents process_index, process_index + process_count, ...
     -> shuffled with data_shuffle_seed, reshuffled every epoch, repeated num_epoch times (-1: forever)
-    -> tokenized (SentencePiece; add_bos, add_eos)
+    -> tokenized (tokenizer_type: SentencePiece, tiktoken or Hugging Face tokenizers; add_bos, add_eos)
     -> a document longer than max_target_length + 1 tokens is cut into pieces that overlap by one token, so
        every token of the document is a target exactly once
     -> inputs = piece[:-1], targets = piece[1:]
@@ -12,7 +12,7 @@
     -> batches of this process's rows -> one global jax.Array per key.
 
 The Grain iterator's state (a small dict) is what a checkpoint stores to resume exactly. This module is
-imported only by runs that read text, so the synthetic path never imports Grain or SentencePiece.
+imported only by runs that read text, so the synthetic path never imports Grain or a tokenizer library.
 """
 
 import json

@@ -1,42 +1,243 @@
-"""SentencePiece tokenization for the text pipelines.
+"""Tokenizers behind one interface, chosen by `tokenizer_type` (MaxText's key and values):
 
-`Tokenize` is a picklable Grain transform: each worker process loads the model file once, on first use.
+  sentencepiece  a SentencePiece model (MaxText/train_tokenizer.py trains one)
+  tiktoken       Llama 3's BPE file (`original/tokenizer.model`: lines of `base64(token) rank`) with Llama 3's
+                 pre-tokenisation regex and its 256 special tokens numbered after the ranks
+  huggingface    a Hugging Face `tokenizer.json`; BOS, EOS and pad come from the `tokenizer_config.json` beside it
+
+`load(path, tokenizer_type)` gives a `Tokenizer`; `check_tokenizer(config)` loads the configured one and checks
+it against the run. `Tokenize` is a picklable Grain transform: each worker process loads the file once, on first
+use. Each library is imported only by its loader, so a machine without the other two still runs.
 """
 
 import dataclasses
+import hashlib
+import json
 import os
+import re
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from MaxText.pyconfig import Config, ConfigError
 
-
-def check_tokenizer(config: Config) -> int:
-  """The tokenizer's vocabulary size, after checking it exists and fits the model; raises ConfigError."""
-  path = os.path.expanduser(config.tokenizer_path)
-  if not path:
-    raise ConfigError(f"dataset_type={config.dataset_type} needs tokenizer_path=; build one with MaxText/train_tokenizer.py")
-  if not os.path.isfile(path):
-    raise ConfigError(
-      f"tokenizer_path={path} does not exist; build the demo one with `python3 MaxText/build_demo_dataset.py` "
-      "or train one with MaxText/train_tokenizer.py"
-    )
-  size = load(path).get_piece_size()
-  if size > config.vocab_size:
-    raise ConfigError(
-      f"tokenizer_path={path} has {size} tokens but vocab_size={config.vocab_size}; set vocab_size >= {size} "
-      "(or use a smaller tokenizer)"
-    )
-  return size
+_FILES = {
+  "sentencepiece": "a SentencePiece model",
+  "tiktoken": "a tiktoken BPE file (Llama 3's original/tokenizer.model)",
+  "huggingface": "a Hugging Face tokenizer.json",
+}
 
 
-def load(path: str):
-  import sentencepiece as spm  # Lazy: only text pipelines need it.
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """A loaded tokenizer, whatever its library. `encode` adds no special tokens; an absent special token's id is -1."""
+
+  encode: Callable[[str], list[int]]
+  decode: Callable[[Sequence[int]], str]
+  bos_id: int
+  eos_id: int
+  pad_id: int
+  vocab_size: int  # one more than the largest id, special tokens included
+
+
+def _looks_like(path: str) -> str | None:
+  """The tokenizer_type whose files start like `path` does (for error messages), or None."""
+  with open(path, "rb") as f:
+    head = f.read(1024)
+  if head.lstrip().startswith(b"{"):
+    return "huggingface"
+  fields = head.split(b"\n", 1)[0].split()
+  if len(fields) == 2 and fields[1].isdigit():  # base64 token, rank
+    return "tiktoken"
+  if head.startswith(b"\n"):  # the tag of field 1 (the pieces) of a SentencePiece ModelProto
+    return "sentencepiece"
+  return None
+
+
+def _wrong_file(path: str, tokenizer_type: str, error: Exception) -> ConfigError:
+  guess = _looks_like(path)
+  fix = f"set tokenizer_type={guess}" if guess and guess != tokenizer_type else f"give {_FILES[tokenizer_type]}"
+  reason = " ".join(str(error).split())[:120]
+  return ConfigError(f"tokenizer_path={path} is not {_FILES[tokenizer_type]} ({reason}); {fix}")
+
+
+def _sentencepiece(path: str) -> Tokenizer:
+  import sentencepiece as spm  # Lazy, like the other two libraries.
 
   try:
-    return spm.SentencePieceProcessor(model_file=os.path.expanduser(path))
+    model = spm.SentencePieceProcessor(model_file=path)
   except (OSError, RuntimeError) as e:
-    raise ConfigError(f"tokenizer_path={path} is not a SentencePiece model ({str(e).splitlines()[0][:120]})") from None
+    raise _wrong_file(path, "sentencepiece", e) from None
+  return Tokenizer(
+    encode=lambda text: model.encode(text, out_type=int),
+    decode=model.decode,
+    bos_id=model.bos_id(),
+    eos_id=model.eos_id(),
+    pad_id=model.pad_id(),
+    vocab_size=model.get_piece_size(),
+  )
+
+
+# Llama 3's pre-tokenisation regex and special tokens, as in Meta's llama3 tokenizer.py (and MaxText's
+# TikTokenTokenizer): the 11 named ones, then reserved ones up to 256, with ids from len(ranks) on.
+LLAMA3_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_NAMED = (
+  "<|begin_of_text|>",
+  "<|end_of_text|>",
+  "<|reserved_special_token_0|>",
+  "<|reserved_special_token_1|>",
+  "<|finetune_right_pad_id|>",
+  "<|step_id|>",
+  "<|start_header_id|>",
+  "<|end_header_id|>",
+  "<|eom_id|>",
+  "<|eot_id|>",
+  "<|python_tag|>",
+)
+LLAMA3_SPECIAL_TOKENS = (
+  *_LLAMA3_NAMED,
+  *(f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(_LLAMA3_NAMED))),
+)
+
+# Meta's limits: tiktoken's regex runs out of backtracking stack on a long run of whitespace (1M spaces fail), so
+# text is encoded in pieces of at most 400k characters, cut inside any run of whitespace or non-whitespace longer
+# than 25k characters.
+_MAX_CHARS = 400_000
+_MAX_RUN = 25_000
+_LONG_RUN = re.compile(rf"\s{{{_MAX_RUN + 1},}}|\S{{{_MAX_RUN + 1},}}")
+
+
+def _pieces(text: str) -> list[str]:
+  pieces = []
+  for start in range(0, len(text), _MAX_CHARS):
+    chunk = text[start : start + _MAX_CHARS]
+    cuts = [cut for run in _LONG_RUN.finditer(chunk) for cut in range(run.start() + _MAX_RUN, run.end(), _MAX_RUN)]
+    bounds = [0, *cuts, len(chunk)]
+    pieces += [chunk[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+  return pieces
+
+
+def _tiktoken(path: str) -> Tokenizer:
+  import tiktoken
+  from tiktoken.load import load_tiktoken_bpe
+
+  with open(path, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  try:
+    # tiktoken caches the file under a key of its path; the hash keeps it from serving an older file's ranks.
+    ranks = load_tiktoken_bpe(path, expected_hash=digest)
+  except ValueError as e:
+    raise _wrong_file(path, "tiktoken", e) from None
+  if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
+    raise _wrong_file(path, "tiktoken", ValueError("its ranks are not 0..n-1 over all 256 single bytes and merges"))
+  specials = {token: len(ranks) + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
+  encoding = tiktoken.Encoding(
+    name=os.path.basename(path), pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+  )
+
+  def encode(text: str) -> list[int]:
+    # Special tokens' text is ordinary text here (Meta's defaults): a document never injects a control token.
+    return [t for piece in _pieces(text) for t in encoding.encode(piece, allowed_special=set(), disallowed_special=())]
+
+  return Tokenizer(
+    encode=encode,
+    decode=encoding.decode,
+    bos_id=specials["<|begin_of_text|>"],
+    eos_id=specials["<|end_of_text|>"],
+    pad_id=-1,
+    vocab_size=encoding.n_vocab,
+  )
+
+
+def _special_tokens(config_path: str) -> dict[str, str]:
+  """{"bos": token, "eos": ..., "pad": ...} named by a tokenizer_config.json (strings or {"content": ...})."""
+  if not os.path.isfile(config_path):
+    return {}
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      values = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{config_path} is not a JSON file ({' '.join(str(e).split())[:120]}); fix or remove it") from None
+  tokens = {}
+  for name in ("bos", "eos", "pad"):
+    token = values.get(f"{name}_token") if isinstance(values, dict) else None
+    token = token.get("content") if isinstance(token, dict) else token
+    if token is not None:
+      tokens[name] = token
+  return tokens
+
+
+def _huggingface(path: str) -> Tokenizer:
+  import tokenizers
+
+  try:
+    model = tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a file it cannot parse)
+    raise _wrong_file(path, "huggingface", e) from None
+  config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+  ids = {}
+  for name, token in _special_tokens(config_path).items():
+    ids[name] = model.token_to_id(token)
+    if ids[name] is None:
+      raise ConfigError(f"{config_path} names {name}_token={token!r}, which {path} lacks; fix one of the two files")
+  return Tokenizer(
+    encode=lambda text: model.encode(text, add_special_tokens=False).ids,
+    decode=model.decode,
+    bos_id=ids.get("bos", -1),
+    eos_id=ids.get("eos", -1),
+    pad_id=ids.get("pad", -1),
+    vocab_size=max(model.get_vocab(with_added_tokens=True).values(), default=-1) + 1,
+  )
+
+
+LOADERS = {"sentencepiece": _sentencepiece, "tiktoken": _tiktoken, "huggingface": _huggingface}
+
+
+def load(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:
+  """The tokenizer in the file `path`, of `tokenizer_type` (a key of LOADERS); raises ConfigError."""
+  if tokenizer_type not in LOADERS:
+    raise ConfigError(f"tokenizer_type={tokenizer_type!r} is not supported; choose one of {', '.join(map(repr, LOADERS))}")
+  path = os.path.expanduser(path)
+  if os.path.isdir(path):
+    raise ConfigError(f"tokenizer_path={path} is a folder; give {_FILES[tokenizer_type]} file inside it")
+  if not os.path.isfile(path):
+    hint = f"give {_FILES[tokenizer_type]}"
+    if tokenizer_type == "sentencepiece":
+      hint = "build the demo one with `bash setup.sh` or train one with MaxText/train_tokenizer.py"
+    raise ConfigError(f"tokenizer_path={path} does not exist; {hint}")
+  return LOADERS[tokenizer_type](path)
+
+
+def check_specials(tokenizer: Tokenizer, path: str, tokenizer_type: str, add_bos: bool, add_eos: bool) -> None:
+  """Raises ConfigError if add_bos / add_eos ask for a token the tokenizer lacks."""
+  for name, wanted, token_id in (("bos", add_bos, tokenizer.bos_id), ("eos", add_eos, tokenizer.eos_id)):
+    if wanted and token_id < 0:
+      also = f", or name a {name}_token in tokenizer_config.json beside it" if tokenizer_type == "huggingface" else ""
+      raise ConfigError(
+        f"tokenizer_path={path} (tokenizer_type={tokenizer_type}) has no {name.upper()} token but add_{name}=true; "
+        f"set add_{name}=false{also}"
+      )
+
+
+def check_tokenizer(config: Config) -> Tokenizer:
+  """The configured tokenizer, after checking it loads, fits the model and has the BOS/EOS asked for;
+  raises ConfigError."""
+  path = os.path.expanduser(config.tokenizer_path)
+  if not path:
+    raise ConfigError(
+      f"dataset_type={config.dataset_type} needs tokenizer_path= (and tokenizer_type=, one of {', '.join(LOADERS)}); "
+      "build a SentencePiece one with MaxText/train_tokenizer.py"
+    )
+  tokenizer = load(path, config.tokenizer_type)
+  if tokenizer.vocab_size > config.vocab_size:
+    raise ConfigError(
+      f"tokenizer_path={path} has {tokenizer.vocab_size} tokens but vocab_size={config.vocab_size}; "
+      f"set vocab_size >= {tokenizer.vocab_size} (or use a smaller tokenizer)"
+    )
+  check_specials(tokenizer, path, config.tokenizer_type, config.add_bos, config.add_eos)
+  return tokenizer
 
 
 @dataclasses.dataclass
@@ -44,27 +245,34 @@ class Tokenize:
   """Text (str or UTF-8 bytes) -> int32 token ids, with BOS/EOS as configured."""
 
   path: str
+  tokenizer_type: str
   add_bos: bool
   add_eos: bool
 
+  @classmethod
+  def from_config(cls, config: Config) -> "Tokenize":
+    return cls(os.path.expanduser(config.tokenizer_path), config.tokenizer_type, config.add_bos, config.add_eos)
+
   def __post_init__(self):
-    self._processor = None
+    self._tokenizer = None
 
   def __getstate__(self):
-    return {"path": self.path, "add_bos": self.add_bos, "add_eos": self.add_eos}
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
-    self._processor = None
+    self._tokenizer = None
 
   def __call__(self, text) -> np.ndarray:
-    if self._processor is None:
-      self._processor = load(self.path)
+    if self._tokenizer is None:
+      tokenizer = load(self.path, self.tokenizer_type)
+      check_specials(tokenizer, self.path, self.tokenizer_type, self.add_bos, self.add_eos)
+      self._tokenizer = tokenizer
     if isinstance(text, bytes):
       text = text.decode("utf-8")
-    ids = self._processor.encode(text, out_type=int)
+    ids = self._tokenizer.encode(text)
     if self.add_bos:
-      ids = [self._processor.bos_id(), *ids]
+      ids = [self._tokenizer.bos_id, *ids]
     if self.add_eos:
-      ids = [*ids, self._processor.eos_id()]
+      ids = [*ids, self._tokenizer.eos_id]
     return np.asarray(ids, np.int32)
