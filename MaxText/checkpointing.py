@@ -18,6 +18,7 @@ import json
 import os
 
 import jax
+import numpy as np
 
 from MaxText.pyconfig import Config, ConfigError
 from MaxText.state import StateLayout, TrainState, init_state, state_from_params
@@ -115,9 +116,18 @@ def _restore_error(where: str, error: Exception) -> ConfigError:
   )
 
 
-def _leaf_name(path) -> str:
+def leaf_name(path) -> str:
   """Orbax's name of a pytree leaf: its keys joined by dots (e.g. params.decoder_norm.scale)."""
   return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _metadata(path: str):
+  import orbax.checkpoint as ocp
+
+  try:
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
+  except Exception as e:  # noqa: BLE001 (any failure to read means unreadable)
+    raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}); is it a complete Orbax checkpoint?") from None
 
 
 def check_compatible(path: str, target) -> None:
@@ -126,15 +136,9 @@ def check_compatible(path: str, target) -> None:
   Checked from the checkpoint's metadata before restoring, so a mismatch is one clear line rather than a
   failure inside Orbax's restore.
   """
-  import orbax.checkpoint as ocp
-
-  try:
-    metadata = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
-  except Exception as e:  # noqa: BLE001 (any failure to read means unreadable)
-    raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}); is it a complete Orbax checkpoint?") from None
-  stored = {_leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(metadata)}
+  stored = {leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(_metadata(path))}
   for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(target):
-    name = _leaf_name(leaf_path)
+    name = leaf_name(leaf_path)
     if name not in stored:
       raise ConfigError(f"checkpoint {path} has no {name}; use the model config it was saved with, or a new run_name")
     if tuple(stored[name]) != tuple(leaf.shape):
@@ -177,21 +181,41 @@ def latest_step(config: Config) -> int | None:
   return max(steps, default=None)
 
 
-def restore_params(config: Config, abstract_params) -> tuple[dict, str]:
-  """Parameters for decoding: from load_parameters_path (or load_full_state_path), else from the run's
-  latest checkpoint; returns (params, where they came from)."""
+def params_path(config: Config) -> str:
+  """Where restore_params reads: load_parameters_path (or load_full_state_path), else the run's latest checkpoint."""
   key = "load_parameters_path" if config.load_parameters_path else "load_full_state_path"
   given = config.load_parameters_path or config.load_full_state_path
   if given:
-    path = items_path(key, given)
-  else:
-    step = latest_step(config)
-    if step is None:
-      raise ConfigError(
-        f"no parameters to decode: load_parameters_path is empty and run_name={config.run_name} has no checkpoint "
-        f"in {checkpoint_dir(config)}; give load_parameters_path=PATH/checkpoints/STEP/items"
-      )
-    path = os.path.join(checkpoint_dir(config), str(step), ITEM)
+    return items_path(key, given)
+  step = latest_step(config)
+  if step is None:
+    raise ConfigError(
+      f"no parameters to load: load_parameters_path is empty and run_name={config.run_name} has no checkpoint "
+      f"in {checkpoint_dir(config)}; give load_parameters_path=PATH/checkpoints/STEP/items"
+    )
+  return os.path.join(checkpoint_dir(config), str(step), ITEM)
+
+
+def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
+  """Parameters as host numpy arrays in their stored dtype, from params_path(config), checked against
+  `abstract_params` (conversion, which needs no devices); returns (params, where they came from)."""
+  import orbax.checkpoint as ocp
+
+  path = params_path(config)
+  check_compatible(path, {"params": abstract_params})
+  target = {"params": jax.tree_util.tree_map(lambda _: 0, abstract_params)}
+  args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  try:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
+  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+    raise _restore_error(path, e) from None
+  return restored["params"], path
+
+
+def restore_params(config: Config, abstract_params) -> tuple[dict, str]:
+  """Parameters for decoding or export, from params_path(config); returns (params, where they came from)."""
+  path = params_path(config)
   check_compatible(path, {"params": abstract_params})
   return _restore_tree(path, {"params": abstract_params})["params"], path
 

@@ -40,7 +40,7 @@ class Tokenizer:
   vocab_size: int  # one more than the largest id, special tokens included
 
 
-def _looks_like(path: str) -> str | None:
+def looks_like(path: str) -> str | None:
   """The tokenizer_type whose files start like `path` does (for error messages), or None."""
   with open(path, "rb") as f:
     head = f.read(1024)
@@ -55,7 +55,7 @@ def _looks_like(path: str) -> str | None:
 
 
 def _wrong_file(path: str, tokenizer_type: str, error: Exception) -> ConfigError:
-  guess = _looks_like(path)
+  guess = looks_like(path)
   fix = f"set tokenizer_type={guess}" if guess and guess != tokenizer_type else f"give {_FILES[tokenizer_type]}"
   reason = " ".join(str(error).split())[:120]
   return ConfigError(f"tokenizer_path={path} is not {_FILES[tokenizer_type]} ({reason}); {fix}")

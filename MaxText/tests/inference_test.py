@@ -273,7 +273,7 @@ def test_microbenchmark_reports_times_and_bandwidth(trained, tmp_path, capsys):
   "extra, message",
   [
     (("run_name=run", "prompt=" + "word " * 40), "max_prefill_predict_length=32"),
-    (("run_name=nothing",), "no parameters to decode"),
+    (("run_name=nothing",), "no parameters to load"),
     (("run_name=x", "load_parameters_path={root}/missing/items"), "does not exist"),
     (("run_name=run", "base_emb_dim=64"), "use the model config it was saved with"),
     (("run_name=run", "decode_sampling_strategy=beam"), "decode_sampling_strategy='beam' is not supported"),

@@ -1,0 +1,120 @@
+"""Reading Hugging Face safetensors and writing Orbax checkpoints a tensor (or a layer) at a time.
+
+Peak memory is a few tensors, not the checkpoint: `HFTensors` opens a safetensors file only for the tensor
+it reads (the mapping is dropped after each read), and `save_params` hands Orbax `LazyArray`s, whose chunks
+(one layer of a scanned parameter, or a whole tensor) are loaded, converted and written one after another,
+each into its own storage chunk. `.bin` files are never opened: unpickling runs arbitrary code.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from MaxText.pyconfig import ConfigError
+
+
+class HFTensors:
+  """The tensors of a Hugging Face model folder (`*.safetensors`, sharded or not): name -> (file, shape)."""
+
+  def __init__(self, folder: str):
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+      if glob.glob(os.path.join(folder, "*.bin")):
+        raise ConfigError(
+          f"hf_model_path={folder} holds only .bin (pickle) weights, which are never loaded (unpickling runs code); "
+          "convert them to safetensors first, e.g. save_pretrained(..., safe_serialization=True) in transformers"
+        )
+      raise ConfigError(f"hf_model_path={folder} has no *.safetensors files; give a Hugging Face model folder")
+    self.files: dict[str, str] = {}
+    self.shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+      try:
+        with safe_open(path, "numpy") as f:
+          for name in f.keys():
+            self.files[name] = path
+            self.shapes[name] = tuple(f.get_slice(name).get_shape())
+      except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+      with open(index) as f:
+        missing = sorted(set(json.load(f).get("weight_map", {})) - set(self.files))
+      if missing:
+        raise ConfigError(f"{index} lists {missing[0]} (and {len(missing) - 1} more) that no shard holds; re-download")
+
+  def resolve(self, name: str) -> str | None:
+    """The stored name of `name`; GPT-2 checkpoints may omit the `transformer.` prefix."""
+    if name in self.files:
+      return name
+    short = name.removeprefix("transformer.")
+    return short if short in self.files else None
+
+  def load(self, name: str) -> np.ndarray:
+    from safetensors import safe_open
+
+    stored = self.resolve(name)
+    with safe_open(self.files[stored], "numpy") as f:
+      return f.get_tensor(stored)
+
+
+@dataclasses.dataclass
+class LazyArray:
+  """An array written chunk by chunk: `chunks` are (index into the array, a function loading that part)."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  chunks: list[tuple[tuple, Callable[[], np.ndarray]]]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape))
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def chunk_bytes(self) -> int:
+    first = self.chunks[0][0]
+    return int(np.prod(self.shape[len(first) :])) * self.dtype.itemsize
+
+
+def _handler():
+  from orbax.checkpoint._src.serialization import type_handlers
+
+  class LazyArrayHandler(type_handlers.NumpyHandler):
+    """Orbax's numpy handler, writing a LazyArray one chunk at a time (saved as, and restored like, an array)."""
+
+    def __init__(self):
+      super().__init__(deepcopy_host_arrays=False)
+
+    async def _open_and_write(self, value: LazyArray, tspec, ts_context):
+      import tensorstore as ts
+
+      store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+      for index, load in value.chunks:
+        await store[index].write(load())
+
+  return LazyArrayHandler()
+
+
+def save_params(path: str, params: dict) -> None:
+  """Writes {"params": params} (a tree of LazyArray) as an Orbax PyTree checkpoint at `path`, each storage chunk
+  being one LazyArray chunk."""
+  import jax
+  import orbax.checkpoint as ocp
+  from orbax.checkpoint._src.serialization import type_handler_registry
+
+  registry = type_handler_registry.create_type_handler_registry((LazyArray, _handler()))
+  is_lazy = lambda x: isinstance(x, LazyArray)  # noqa: E731
+  save_args = jax.tree_util.tree_map(
+    lambda a: ocp.SaveArgs(chunk_byte_size=a.chunk_bytes(), shard_axes=(0,)), params, is_leaf=is_lazy
+  )
+  handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=False)
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(path, args=ocp.args.PyTreeSave({"params": params}, save_args={"params": save_args}))

@@ -1,0 +1,203 @@
+"""Imports a Hugging Face model folder as a params-only MaxText checkpoint:
+
+    python3 MaxText/convert_hf_checkpoint.py MaxText/configs/base.yml hf_model_path=DIR \
+      base_output_directory=OUT run_name=NAME [scan_layers=true] [weight_dtype=float32]
+
+DIR holds `config.json` and `*.safetensors` (sharded or not; `.bin` files are refused, never unpickled). The
+architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2; see convert/hf_families.py).
+Writes OUT/NAME/checkpoints/0/items (Orbax, params only, layers scanned or not as scan_layers says) and next to
+it model.yml (our model keys, for model_name=OUT/NAME/checkpoints/0/model.yml) and the tokenizer files. The
+tensors are streamed: each is read, converted to weight_dtype and written before the next is read. Everything
+is checked (every tensor present, every shape right) before anything is written, and the output appears only
+when complete; an existing checkpoint is never overwritten.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+from MaxText import checkpointing, sharding, train  # noqa: E402
+from MaxText import state as state_lib  # noqa: E402
+from MaxText.convert import hf_families  # noqa: E402
+from MaxText.convert.streaming import HFTensors, LazyArray, save_params  # noqa: E402
+from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
+from MaxText.layers import models  # noqa: E402
+from MaxText.layers.linears import DTYPES  # noqa: E402
+from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+
+MODEL_YML = "model.yml"
+
+
+def read_hf_config(folder: str) -> dict:
+  if not folder:
+    raise ConfigError("hf_model_path is empty; give the Hugging Face model folder (config.json + *.safetensors)")
+  path = os.path.join(folder, "config.json")
+  if not os.path.isdir(folder):
+    raise ConfigError(f"hf_model_path={folder} is not a folder; give the Hugging Face model folder")
+  if not os.path.isfile(path):
+    raise ConfigError(f"hf_model_path={folder} has no config.json; give a Hugging Face model folder")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path} is not valid JSON ({e})") from None
+
+
+def find_tokenizer(folder: str) -> tuple[str, list[str]] | None:
+  """(tokenizer_type, files to copy) from the files in a Hugging Face folder, or None."""
+  if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+    extra = [n for n in ("tokenizer_config.json",) if os.path.isfile(os.path.join(folder, n))]
+    return "huggingface", ["tokenizer.json", *extra]
+  for name in ("tokenizer.model", os.path.join("original", "tokenizer.model")):
+    if os.path.isfile(os.path.join(folder, name)):
+      kind = tokenizer_lib.looks_like(os.path.join(folder, name))
+      if kind in ("sentencepiece", "tiktoken"):
+        return kind, [name]
+  return None
+
+
+def _leaf(tree: dict, dotted: str):
+  for key in dotted.split("."):
+    tree = tree[key]
+  return tree
+
+
+def _put(tree: dict, dotted: str, value) -> None:
+  *parents, last = dotted.split(".")
+  for key in parents:
+    tree = tree.setdefault(key, {})
+  tree[last] = value
+
+
+class Plan:
+  """Which HF tensors make which of our parameters, checked against the config before anything is written."""
+
+  def __init__(self, config: Config, tensors: HFTensors, abstract: dict):
+    self.config, self.tensors, self.abstract = config, tensors, abstract
+    self.model_groups, self.layer_groups = hf_families.layout(config)
+    used = set()
+    for group, i in self.instances():
+      names = [n.format(i=i) for n in group.hf]
+      ours = [self.our_shape(p, i) for p in group.ours]
+      expected = jax.eval_shape(group.to_hf, *[jax.ShapeDtypeStruct(s, np.float32) for s in ours])
+      for name, want in zip(names, expected, strict=True):
+        stored = tensors.resolve(name)
+        if stored is None:
+          raise ConfigError(
+            f"hf_model_path: tensor {name} is missing; the checkpoint is incomplete or not this architecture"
+          )
+        if tensors.shapes[stored] != want.shape:
+          raise ConfigError(
+            f"hf_model_path: tensor {name} has shape {tensors.shapes[stored]} but config.json implies {want.shape}; "
+            "the weights do not match config.json"
+          )
+        used.add(stored)
+    extra = sorted(n for n in set(tensors.files) - used if not hf_families.ignored(n, config))
+    if extra:
+      raise ConfigError(
+        f"hf_model_path: tensor {extra[0]} (and {len(extra) - 1} more) is not part of a "
+        f"{config.decoder_block} model; this variant of the architecture is not supported"
+      )
+
+  def instances(self):
+    for group in self.model_groups:
+      yield group, None
+    for i in range(self.config.num_decoder_layers):
+      for group in self.layer_groups:
+        yield group, i
+
+  def our_path(self, path: str, i: int | None) -> str:
+    if i is None:
+      return path
+    return f"layers.{path}" if self.config.scan_layers else f"layers_{i}.{path}"
+
+  def our_shape(self, path: str, i: int | None) -> tuple[int, ...]:
+    shape = _leaf(self.abstract, self.our_path(path, i)).shape
+    return shape[1:] if i is not None and self.config.scan_layers else shape
+
+  def lazy_params(self, progress) -> dict:
+    """Our params as a tree of LazyArrays (a scanned parameter gets one chunk per layer)."""
+    dtype = np.dtype(DTYPES[self.config.weight_dtype])
+    tree: dict = {}
+
+    def loader(group, i, k):
+      def load():
+        hf = [self.tensors.load(n.format(i=i)) for n in group.hf]
+        out = np.ascontiguousarray(group.to_ours(*hf)[k]).astype(dtype, copy=False)
+        progress.update(1)
+        return out
+
+      return load
+
+    for group, i in self.instances():
+      for k, path in enumerate(group.ours):
+        where = self.our_path(path, i)
+        if i is not None and self.config.scan_layers:
+          if i == 0:
+            full = _leaf(self.abstract, where).shape
+            _put(tree, where, LazyArray(full, dtype, []))
+          _leaf(tree, where).chunks.append(((i,), loader(group, i, k)))
+        else:
+          _put(tree, where, LazyArray(self.our_shape(path, i), dtype, [((), loader(group, i, k))]))
+    return tree
+
+
+def convert(config: Config, argv: list[str]) -> str:
+  """Writes the checkpoint, model.yml and tokenizer; returns the checkpoint's `items` path. `argv` is the
+  command line, loaded again with model_name=model.yml so the imported keys are checked like any preset."""
+  if config.model_name != "default":
+    raise ConfigError(f"model_name={config.model_name}: the importer takes the model from config.json; drop model_name")
+  folder = os.path.expanduser(config.hf_model_path)
+  keys = hf_families.model_keys(read_hf_config(folder))
+  target = os.path.join(checkpointing.checkpoint_dir(config), "0")
+  if os.path.exists(target):
+    raise ConfigError(f"{target} already exists; choose another run_name (an existing checkpoint is never overwritten)")
+  tensors = HFTensors(folder)
+  tokenizer = find_tokenizer(folder)
+
+  staging = f"{target}.partial-{os.getpid()}"
+  os.makedirs(staging)
+  try:
+    yml = os.path.join(staging, MODEL_YML)
+    with open(yml, "w") as f:
+      f.write(f"# Imported from {os.path.abspath(folder)} by convert_hf_checkpoint.py.\n")
+      yaml.safe_dump(keys, f, sort_keys=False)
+    model_config = train.load_config([*argv[1:], f"model_name={yml}"])
+    mesh = sharding.create_mesh(model_config)
+    abstract, _ = state_lib.params_layout(models.Transformer(model_config, mesh), model_config, mesh)
+    plan = Plan(model_config, tensors, abstract)
+
+    from tqdm import tqdm
+
+    total = sum(len(g.ours) for g, _ in plan.instances())
+    with tqdm(total=total, desc="tensors", unit="tensor", file=sys.stderr) as progress:
+      save_params(os.path.join(staging, checkpointing.ITEM), plan.lazy_params(progress))
+    if tokenizer:
+      for name in tokenizer[1]:
+        shutil.copy(os.path.join(folder, name), os.path.join(staging, os.path.basename(name)))
+    os.rename(staging, target)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+  items = os.path.join(target, checkpointing.ITEM)
+  use = f"model_name={os.path.join(target, MODEL_YML)} load_parameters_path={items}"
+  if tokenizer:
+    use += f" tokenizer_type={tokenizer[0]} tokenizer_path={os.path.join(target, os.path.basename(tokenizer[1][0]))}"
+  print(f"Wrote {items}\nUse it with: {use}", flush=True)
+  return items
+
+
+def main(argv) -> int:
+  return train.run_cli(lambda config: convert(config, argv), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,132 @@
+"""Exports a MaxText checkpoint's params as a Hugging Face model folder:
+
+    python3 MaxText/convert_to_hf_checkpoint.py MaxText/configs/base.yml model_name=... \
+      load_parameters_path=RUN/checkpoints/STEP/items hf_model_path=OUT [tokenizer_path=... tokenizer_type=...]
+
+writes OUT/config.json and OUT/model*.safetensors (split into shards of at most hf_max_shard_size_mb, with
+model.safetensors.index.json when there are several), which transformers loads with from_pretrained. Tensors
+keep the dtype they are stored in, so importing and exporting gives back the original bits. With
+tokenizer_path set, the tokenizer files are copied too. OUT must be new or empty; it appears only when complete.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from flax import linen as nn  # noqa: E402
+
+from MaxText import checkpointing, train  # noqa: E402
+from MaxText import state as state_lib  # noqa: E402
+from MaxText.convert import hf_families  # noqa: E402
+from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
+from MaxText.layers import models  # noqa: E402
+from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+
+TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
+
+
+def hf_tensors(config: Config, params: dict):
+  """(Hugging Face name, array) of every tensor, in layer order."""
+  model_groups, layer_groups = hf_families.layout(config)
+
+  def leaf(path: str, i: int | None):
+    if i is None:
+      where = path
+    elif config.scan_layers:
+      where = f"layers.{path}"
+    else:
+      where = f"layers_{i}.{path}"
+    value = params
+    for key in where.split("."):
+      value = value[key]
+    return value[i] if i is not None and config.scan_layers else value
+
+  instances = [(g, None) for g in model_groups]
+  instances += [(g, i) for i in range(config.num_decoder_layers) for g in layer_groups]
+  for group, i in instances:
+    arrays = group.to_hf(*[leaf(p, i) for p in group.ours])
+    for name, array in zip(group.hf, arrays, strict=True):
+      yield name.format(i=i), np.ascontiguousarray(array)
+
+
+def write_shards(folder: str, tensors, max_bytes: int) -> int:
+  """Writes safetensors shards of at most max_bytes (a bigger tensor gets a shard of its own); returns the count."""
+  from safetensors.numpy import save_file
+
+  shards, current, size, weight_map, total = [], {}, 0, {}, 0
+
+  def flush():
+    nonlocal current, size
+    if current:
+      name = f"part-{len(shards):05d}.safetensors"
+      save_file(current, os.path.join(folder, name), metadata={"format": "pt"})
+      shards.append((name, list(current)))
+      current, size = {}, 0
+
+  for name, array in tensors:
+    if size and size + array.nbytes > max_bytes:
+      flush()
+    current[name] = array
+    size += array.nbytes
+    total += array.nbytes
+  flush()
+  count = len(shards)
+  for k, (part, names) in enumerate(shards):
+    final = "model.safetensors" if count == 1 else f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+    os.rename(os.path.join(folder, part), os.path.join(folder, final))
+    weight_map.update(dict.fromkeys(names, final))
+  if count > 1:
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  return count
+
+
+def export(config: Config) -> str:
+  out = os.path.expanduser(config.hf_model_path)
+  if not out:
+    raise ConfigError("hf_model_path is empty; give the folder to write the Hugging Face model to")
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ConfigError(f"hf_model_path={out} already exists and is not empty; give a new or empty folder")
+  tokenizer = None
+  if config.tokenizer_path:
+    tokenizer = tokenizer_lib.load(config.tokenizer_path, config.tokenizer_type)
+  abstract = jax.eval_shape(lambda rng: state_lib.init_params(models.Transformer(config), config, rng), jax.random.key(0))
+  params, source = checkpointing.restore_host_params(config, nn.meta.unbox(abstract))
+  dtype = np.dtype(params["token_embedder"]["embedding"].dtype).name
+
+  staging = f"{out.rstrip('/')}.partial-{os.getpid()}"
+  os.makedirs(staging)
+  try:
+    count = write_shards(staging, hf_tensors(config, params), config.hf_max_shard_size_mb * 10**6)
+    bos = tokenizer.bos_id if tokenizer and tokenizer.bos_id >= 0 else None
+    eos = tokenizer.eos_id if tokenizer and tokenizer.eos_id >= 0 else None
+    with open(os.path.join(staging, "config.json"), "w") as f:
+      json.dump(hf_families.hf_config(config, dtype, bos, eos) | {"dtype": dtype}, f, indent=2)
+    if tokenizer:
+      path = os.path.expanduser(config.tokenizer_path)
+      shutil.copy(path, os.path.join(staging, TOKENIZER_FILES[config.tokenizer_type]))
+      extra = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+      if config.tokenizer_type == "huggingface" and os.path.isfile(extra):
+        shutil.copy(extra, staging)
+    if os.path.isdir(out):
+      os.rmdir(out)
+    os.rename(staging, out)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  print(f"Wrote {out} ({count} safetensors shard{'s' if count > 1 else ''}, {dtype}) from {source}", flush=True)
+  return out
+
+
+def main(argv) -> int:
+  return train.run_cli(export, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
