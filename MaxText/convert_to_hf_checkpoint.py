@@ -19,7 +19,6 @@ if __package__ in (None, ""):  # Run as a script: make the `MaxText` package imp
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
 from flax import linen as nn  # noqa: E402
 
 from MaxText import checkpointing, train  # noqa: E402
