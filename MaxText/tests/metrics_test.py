@@ -3,6 +3,7 @@
 import json
 
 import jax
+import pytest
 
 from MaxText import metrics, pyconfig
 from MaxText.layers import models
@@ -54,3 +55,25 @@ def test_metric_writer_json_lines(tmp_path):
   writer.write(3, {"learning/loss": 1.5})
   writer.close()
   assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 3, "learning/loss": 1.5}
+
+
+# Parameter counts published with the Hugging Face checkpoints (the safetensors totals on the model cards).
+PUBLISHED_PARAMS = {
+  "llama3-70b": 70_553_706_496,
+  "llama3.1-405b": 405_853_388_800,
+  "mistral-7b": 7_241_732_096,
+  "gemma-2b": 2_506_172_416,
+  "gemma-7b": 8_537_680_896,
+  "gemma2-2b": 2_614_341_888,
+  "gemma2-9b": 9_241_705_984,
+  "gemma2-27b": 27_227_128_320,
+  "qwen3-0.6b": 596_049_920,
+  "qwen3-8b": 8_190_735_360,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMS))
+def test_preset_parameter_count_matches_the_published_checkpoint(preset):
+  cfg = pyconfig.load([BASE_YML, "run_name=x", f"model_name={preset}", "max_target_length=64"], num_devices=1, env={})
+  abstract = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
+  assert metrics.count_params(abstract["params"]) == PUBLISHED_PARAMS[preset]

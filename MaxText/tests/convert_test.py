@@ -1,0 +1,129 @@
+"""Checkpoint conversion without transformers: train -> export -> import -> train again, and bad input.
+
+The Hugging Face folders here are written by our own exporter from a trained tiny model (parity with
+transformers itself is in hf_checkpoint_test.py).
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import convert_hf_checkpoint, convert_to_hf_checkpoint, train
+from MaxText.tests.helpers import BASE_YML, config
+
+TRAIN = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=4", "dataset_type=synthetic")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(output dir, items of a 3-step tiny training run, its exported Hugging Face folder)."""
+  root = tmp_path_factory.mktemp("convert")
+  cfg = config(*TRAIN, "enable_checkpointing=true", "async_checkpointing=false", f"base_output_directory={root}")
+  train.train(cfg, jax.devices()[:1])
+  items = os.path.join(root, "test", "checkpoints", "3", "items")
+  hf = str(root / "hf")
+  argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}", f"hf_model_path={hf}"]
+  assert convert_to_hf_checkpoint.main(argv) == 0
+  return root, items, hf
+
+
+def _import(hf, out, run_name="imported"):
+  argv = ["convert", BASE_YML, f"hf_model_path={hf}", f"base_output_directory={out}", f"run_name={run_name}"]
+  return convert_hf_checkpoint.main(argv)
+
+
+def test_trained_then_exported_checkpoint_trains_on_with_the_same_losses(trained, tmp_path):
+  """Training from the imported export gives bit-identical losses to training from the original params."""
+  root, items, hf = trained
+  assert _import(hf, tmp_path) == 0
+  ckpt = os.path.join(tmp_path, "imported", "checkpoints", "0")
+  devices = jax.devices()[:1]
+  original = train.train(config(*TRAIN, f"load_parameters_path={items}", "run_name=a"), devices)
+  imported = config(
+    *TRAIN,
+    f"model_name={ckpt}/model.yml",
+    f"load_parameters_path={ckpt}/items",
+    "run_name=b",
+    "dtype=float32",
+  )
+  resumed = train.train(imported, devices)
+  np.testing.assert_array_equal([x for _, x in resumed["losses"]], [x for _, x in original["losses"]])
+
+
+def _copy(hf, dst):
+  os.makedirs(dst)
+  for name in os.listdir(hf):
+    with open(os.path.join(hf, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+      g.write(f.read())
+  return dst
+
+
+def _edit_config(folder, **changes):
+  path = os.path.join(folder, "config.json")
+  with open(path) as f:
+    cfg = json.load(f)
+  with open(path, "w") as f:
+    json.dump(cfg | changes, f)
+
+
+def _drop_tensor(folder, name):
+  from safetensors.numpy import load_file, save_file
+
+  path = os.path.join(folder, "model.safetensors")
+  tensors = load_file(path)
+  del tensors[name]
+  save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _bin_only(folder):
+  os.remove(os.path.join(folder, "model.safetensors"))
+  with open(os.path.join(folder, "pytorch_model.bin"), "wb") as f:
+    f.write(b"not to be unpickled")
+
+
+BAD = {
+  "no_config": (lambda d: os.remove(os.path.join(d, "config.json")), "has no config.json"),
+  "unsupported": (lambda d: _edit_config(d, model_type="bert", architectures=["BertModel"]), "model_type='bert'"),
+  "missing_tensor": (lambda d: _drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), "up_proj.weight is missing"),
+  "shape_mismatch": (lambda d: _edit_config(d, intermediate_size=48), "has shape"),
+  "bin_only": (_bin_only, "only .bin"),
+  "extra_tensor": (lambda d: _edit_config(d, num_hidden_layers=1), "is not part of"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_hugging_face_folder_exits_2_with_one_line_and_writes_nothing(case, trained, tmp_path, capsys):
+  _, _, hf = trained
+  folder = _copy(hf, str(tmp_path / "hf"))
+  damage, message = BAD[case]
+  damage(folder)
+  out = tmp_path / "out"
+  capsys.readouterr()
+  assert _import(folder, out) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+  leftovers = os.listdir(out / "imported" / "checkpoints") if (out / "imported" / "checkpoints").exists() else []
+  assert leftovers == []
+
+
+def test_existing_checkpoint_is_never_overwritten(trained, tmp_path, capsys):
+  _, _, hf = trained
+  assert _import(hf, tmp_path) == 0
+  items = tmp_path / "imported" / "checkpoints" / "0" / "items"
+  before = sorted(os.listdir(items))
+  capsys.readouterr()
+  assert _import(hf, tmp_path) == 2
+  assert "already exists" in capsys.readouterr().err
+  assert sorted(os.listdir(items)) == before
+
+
+def test_export_refuses_a_non_empty_folder(trained, tmp_path, capsys):
+  _, items, _ = trained
+  (tmp_path / "taken").mkdir()
+  (tmp_path / "taken" / "keep.txt").write_text("mine")
+  argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}"]
+  assert convert_to_hf_checkpoint.main([*argv, f"hf_model_path={tmp_path / 'taken'}"]) == 2
+  assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
