@@ -34,6 +34,7 @@ from MaxText.layers.linears import DTYPES  # noqa: E402
 from MaxText.pyconfig import Config, ConfigError  # noqa: E402
 
 MODEL_YML = "model.yml"
+CHUNK_BYTES = 64 * 2**20  # a model-level tensor bigger than this (an embedding) is converted in blocks of rows
 
 
 def read_hf_config(folder: str) -> dict:
@@ -128,14 +129,27 @@ class Plan:
     dtype = np.dtype(DTYPES[self.config.weight_dtype])
     tree: dict = {}
 
-    def loader(group, i, k):
+    def loader(group, i, k, rows=None, last=True):
       def load():
-        hf = [self.tensors.load(n.format(i=i)) for n in group.hf]
+        hf = [self.tensors.load(n.format(i=i), rows) for n in group.hf]
         out = np.ascontiguousarray(group.to_ours(*hf)[k]).astype(dtype, copy=False)
-        progress.update(1)
+        progress.update(int(last))
         return out
 
       return load
+
+    def row_blocks(group, path):
+      """(index into ours, rows of the HF tensor) blocks of about CHUNK_BYTES, or None for one piece."""
+      shape = self.our_shape(path, None)
+      if group.row_axis is None or np.prod(shape) * dtype.itemsize <= CHUNK_BYTES:
+        return None
+      n = shape[group.row_axis]
+      step = max(1, n * CHUNK_BYTES // (int(np.prod(shape)) * dtype.itemsize))
+      blocks = []
+      for a in range(0, n, step):
+        rows = slice(a, min(a + step, n))
+        blocks.append(((slice(None),) * group.row_axis + (rows,), rows))
+      return blocks
 
     for group, i in self.instances():
       for k, path in enumerate(group.ours):
@@ -145,6 +159,9 @@ class Plan:
             full = _leaf(self.abstract, where).shape
             _put(tree, where, LazyArray(full, dtype, []))
           _leaf(tree, where).chunks.append(((i,), loader(group, i, k)))
+        elif i is None and (blocks := row_blocks(group, path)):
+          chunks = [(index, loader(group, i, k, rows, b == len(blocks) - 1)) for b, (index, rows) in enumerate(blocks)]
+          _put(tree, where, LazyArray(self.our_shape(path, i), dtype, chunks))
         else:
           _put(tree, where, LazyArray(self.our_shape(path, i), dtype, [((), loader(group, i, k))]))
     return tree

@@ -220,10 +220,13 @@ class Group:
   ours: tuple[str, ...]
   to_ours: Callable[..., tuple]
   to_hf: Callable[..., tuple]
+  # For one HF tensor -> one of ours: the axis of ours that HF's rows (axis 0) become, when to_ours of a block
+  # of rows gives that block of ours (so a big tensor can be converted a block of rows at a time).
+  row_axis: int | None = None
 
 
 def same(hf: str, ours: str) -> Group:
-  return Group((hf,), (ours,), lambda w: (w,), lambda w: (w,))
+  return Group((hf,), (ours,), lambda w: (w,), lambda w: (w,), row_axis=0)
 
 
 def linear(hf: str, ours: str, out_shape: tuple[int, ...]) -> Group:
@@ -231,8 +234,9 @@ def linear(hf: str, ours: str, out_shape: tuple[int, ...]) -> Group:
   return Group(
     (hf,),
     (ours,),
-    lambda w: (w.T.reshape(w.shape[1], *out_shape),),
+    lambda w: (w.T.reshape(w.shape[1], *out_shape[:-1], -1),),
     lambda k: (k.reshape(k.shape[0], -1).T,),
+    row_axis=1 if len(out_shape) == 1 else None,
   )
 
 

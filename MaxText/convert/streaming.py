@@ -55,12 +55,13 @@ class HFTensors:
     short = name.removeprefix("transformer.")
     return short if short in self.files else None
 
-  def load(self, name: str) -> np.ndarray:
+  def load(self, name: str, rows: slice | None = None) -> np.ndarray:
+    """The tensor `name`, or only its `rows` (a slice of axis 0)."""
     from safetensors import safe_open
 
     stored = self.resolve(name)
     with safe_open(self.files[stored], "numpy") as f:
-      return f.get_tensor(stored)
+      return f.get_tensor(stored) if rows is None else f.get_slice(stored)[rows]
 
 
 @dataclasses.dataclass
@@ -79,9 +80,19 @@ class LazyArray:
   def ndim(self) -> int:
     return len(self.shape)
 
-  def chunk_bytes(self) -> int:
-    first = self.chunks[0][0]
-    return int(np.prod(self.shape[len(first) :])) * self.dtype.itemsize
+  def chunk_shape(self) -> tuple[int, ...]:
+    """Shape of the first chunk (an int index takes one element of its axis)."""
+    index = self.chunks[0][0]
+    sizes = [1 if isinstance(x, int) else len(range(*x.indices(n))) for x, n in zip(index, self.shape, strict=False)]
+    return (*sizes, *self.shape[len(index) :])
+
+  def save_args(self):
+    """Orbax SaveArgs whose storage chunks are this array's chunks, split along the chunked axis."""
+    import orbax.checkpoint as ocp
+
+    chunk = self.chunk_shape()
+    axes = tuple(a for a, (c, n) in enumerate(zip(chunk, self.shape, strict=True)) if c != n)
+    return ocp.SaveArgs(chunk_byte_size=int(np.prod(chunk)) * self.dtype.itemsize, shard_axes=axes)
 
 
 def _handler():
@@ -92,13 +103,18 @@ def _handler():
 
     def __init__(self):
       super().__init__(deepcopy_host_arrays=False)
+      self.one_at_a_time = None  # Orbax writes all leaves concurrently; one chunk in memory at a time is the point.
 
     async def _open_and_write(self, value: LazyArray, tspec, ts_context):
+      import asyncio
+
       import tensorstore as ts
 
+      self.one_at_a_time = self.one_at_a_time or asyncio.Lock()
       store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
       for index, load in value.chunks:
-        await store[index].write(load())
+        async with self.one_at_a_time:
+          await store[index].write(load(), can_reference_source_data_indefinitely=True)
 
   return LazyArrayHandler()
 
@@ -112,9 +128,7 @@ def save_params(path: str, params: dict) -> None:
 
   registry = type_handler_registry.create_type_handler_registry((LazyArray, _handler()))
   is_lazy = lambda x: isinstance(x, LazyArray)  # noqa: E731
-  save_args = jax.tree_util.tree_map(
-    lambda a: ocp.SaveArgs(chunk_byte_size=a.chunk_bytes(), shard_axes=(0,)), params, is_leaf=is_lazy
-  )
+  save_args = jax.tree_util.tree_map(lambda a: a.save_args(), params, is_leaf=is_lazy)
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=False)
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(path, args=ocp.args.PyTreeSave({"params": params}, save_args={"params": save_args}))
