@@ -52,6 +52,8 @@ CHOICES = {
     "none",
   ),
   "rope_type": ("default", "llama3.1"),
+  "decoder_block": ("llama2", "mistral", "gemma", "gemma2", "qwen3", "gpt3"),
+  "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),
   "dataset_type": ("synthetic", "grain", "tfds", "hf"),
   "profiler": ("", "xplane"),
   "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk"),
