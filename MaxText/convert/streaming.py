@@ -96,9 +96,9 @@ class LazyArray:
 
 
 def _handler():
-  from orbax.checkpoint._src.serialization import type_handlers
+  import orbax.checkpoint as ocp
 
-  class LazyArrayHandler(type_handlers.NumpyHandler):
+  class LazyArrayHandler(ocp.type_handlers.NumpyHandler):
     """Orbax's numpy handler, writing a LazyArray one chunk at a time (saved as, and restored like, an array)."""
 
     def __init__(self):
@@ -124,9 +124,8 @@ def save_params(path: str, params: dict) -> None:
   being one LazyArray chunk."""
   import jax
   import orbax.checkpoint as ocp
-  from orbax.checkpoint._src.serialization import type_handler_registry
 
-  registry = type_handler_registry.create_type_handler_registry((LazyArray, _handler()))
+  registry = ocp.type_handlers.create_type_handler_registry((LazyArray, _handler()))
   is_lazy = lambda x: isinstance(x, LazyArray)  # noqa: E731
   save_args = jax.tree_util.tree_map(lambda a: a.save_args(), params, is_leaf=is_lazy)
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=False)

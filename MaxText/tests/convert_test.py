@@ -10,8 +10,10 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from MaxText import convert_hf_checkpoint, convert_to_hf_checkpoint, train
+from MaxText.layers import models
 from MaxText.tests.helpers import BASE_YML, config
 
 TRAIN = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=4", "dataset_type=synthetic")
@@ -127,3 +129,22 @@ def test_export_refuses_a_non_empty_folder(trained, tmp_path, capsys):
   argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}"]
   assert convert_to_hf_checkpoint.main([*argv, f"hf_model_path={tmp_path / 'taken'}"]) == 2
   assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_large_tensors_are_imported_in_row_blocks_exactly(trained, tmp_path, monkeypatch):
+  """With a tiny block size, the embedding and the (transposed) output projection are written in many row
+  blocks, and the imported values are still exactly the source tensors."""
+  from safetensors.numpy import load_file
+
+  from MaxText import checkpointing
+
+  _, _, hf = trained
+  monkeypatch.setattr(convert_hf_checkpoint, "CHUNK_BYTES", 1000)  # 128 x 32 float32 tables -> 17 blocks each
+  assert _import(hf, tmp_path) == 0
+  ckpt = os.path.join(tmp_path, "imported", "checkpoints", "0")
+  cfg = config(f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}/items")
+  abstract = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
+  params, _ = checkpointing.restore_host_params(cfg, nn.meta.unbox(abstract)["params"])
+  source = load_file(os.path.join(hf, "model.safetensors"))
+  np.testing.assert_array_equal(params["token_embedder"]["embedding"], source["model.embed_tokens.weight"])
+  np.testing.assert_array_equal(params["logits_dense"]["kernel"], source["lm_head.weight"].T)
