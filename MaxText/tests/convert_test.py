@@ -148,3 +148,25 @@ def test_large_tensors_are_imported_in_row_blocks_exactly(trained, tmp_path, mon
   source = load_file(os.path.join(hf, "model.safetensors"))
   np.testing.assert_array_equal(params["token_embedder"]["embedding"], source["model.embed_tokens.weight"])
   np.testing.assert_array_equal(params["logits_dense"]["kernel"], source["lm_head.weight"].T)
+
+
+def test_importer_picks_the_tokenizer_type_from_the_files(trained, tmp_path, capsys):
+  """A tokenizer.json makes tokenizer_type=huggingface; it is copied next to the checkpoint and loads there."""
+  from tokenizers import Tokenizer, pre_tokenizers
+  from tokenizers import models as tok_models
+
+  from MaxText.input_pipeline import tokenizer as tokenizer_lib
+
+  _, _, hf = trained
+  folder = _copy(hf, str(tmp_path / "hf"))
+  tok = Tokenizer(tok_models.WordLevel({"<unk>": 0, "<s>": 1, "hello": 2, "world": 3}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>"}, f)
+  capsys.readouterr()
+  assert _import(folder, tmp_path / "out") == 0
+  ckpt = tmp_path / "out" / "imported" / "checkpoints" / "0"
+  assert f"tokenizer_type=huggingface tokenizer_path={ckpt / 'tokenizer.json'}" in capsys.readouterr().out
+  loaded = tokenizer_lib.load(str(ckpt / "tokenizer.json"), "huggingface")
+  assert loaded.encode("hello world") == [2, 3] and loaded.bos_id == 1
