@@ -24,12 +24,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from MaxText import checkpointing, sharding, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.convert import hf_families  # noqa: E402
+from MaxText import checkpointing, train  # noqa: E402
+from MaxText.convert import abstract_params, get, hf_families, param_path, put, staged  # noqa: E402
 from MaxText.convert.streaming import HFTensors, LazyArray, save_params  # noqa: E402
 from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
-from MaxText.layers import models  # noqa: E402
 from MaxText.layers.linears import DTYPES  # noqa: E402
 from MaxText.pyconfig import Config, ConfigError  # noqa: E402
 
@@ -65,19 +63,6 @@ def find_tokenizer(folder: str) -> tuple[str, list[str]] | None:
   return None
 
 
-def _leaf(tree: dict, dotted: str):
-  for key in dotted.split("."):
-    tree = tree[key]
-  return tree
-
-
-def _put(tree: dict, dotted: str, value) -> None:
-  *parents, last = dotted.split(".")
-  for key in parents:
-    tree = tree.setdefault(key, {})
-  tree[last] = value
-
-
 class Plan:
   """Which HF tensors make which of our parameters, checked against the config before anything is written."""
 
@@ -85,19 +70,20 @@ class Plan:
     self.config, self.tensors, self.abstract = config, tensors, abstract
     self.model_groups, self.layer_groups = hf_families.layout(config)
     used = set()
+    expected = {}  # (group, is a layer group) -> HF shapes, the same for every layer
     for group, i in self.instances():
-      names = [n.format(i=i) for n in group.hf]
-      ours = [self.our_shape(p, i) for p in group.ours]
-      expected = jax.eval_shape(group.to_hf, *[jax.ShapeDtypeStruct(s, np.float32) for s in ours])
-      for name, want in zip(names, expected, strict=True):
+      if (id(group), i is None) not in expected:
+        ours = [jax.ShapeDtypeStruct(self.our_shape(p, i), np.float32) for p in group.ours]
+        expected[id(group), i is None] = [a.shape for a in jax.eval_shape(group.to_hf, *ours)]
+      for name, want in zip([n.format(i=i) for n in group.hf], expected[id(group), i is None], strict=True):
         stored = tensors.resolve(name)
         if stored is None:
           raise ConfigError(
             f"hf_model_path: tensor {name} is missing; the checkpoint is incomplete or not this architecture"
           )
-        if tensors.shapes[stored] != want.shape:
+        if tensors.shapes[stored] != want:
           raise ConfigError(
-            f"hf_model_path: tensor {name} has shape {tensors.shapes[stored]} but config.json implies {want.shape}; "
+            f"hf_model_path: tensor {name} has shape {tensors.shapes[stored]} but config.json implies {want}; "
             "the weights do not match config.json"
           )
         used.add(stored)
@@ -115,13 +101,8 @@ class Plan:
       for group in self.layer_groups:
         yield group, i
 
-  def our_path(self, path: str, i: int | None) -> str:
-    if i is None:
-      return path
-    return f"layers.{path}" if self.config.scan_layers else f"layers_{i}.{path}"
-
   def our_shape(self, path: str, i: int | None) -> tuple[int, ...]:
-    shape = _leaf(self.abstract, self.our_path(path, i)).shape
+    shape = get(self.abstract, param_path(self.config, path, i)).shape
     return shape[1:] if i is not None and self.config.scan_layers else shape
 
   def lazy_params(self, progress) -> dict:
@@ -153,17 +134,16 @@ class Plan:
 
     for group, i in self.instances():
       for k, path in enumerate(group.ours):
-        where = self.our_path(path, i)
+        where = param_path(self.config, path, i)
         if i is not None and self.config.scan_layers:
           if i == 0:
-            full = _leaf(self.abstract, where).shape
-            _put(tree, where, LazyArray(full, dtype, []))
-          _leaf(tree, where).chunks.append(((i,), loader(group, i, k)))
+            put(tree, where, LazyArray(get(self.abstract, where).shape, dtype, []))
+          get(tree, where).chunks.append(((i,), loader(group, i, k)))
         elif i is None and (blocks := row_blocks(group, path)):
           chunks = [(index, loader(group, i, k, rows, b == len(blocks) - 1)) for b, (index, rows) in enumerate(blocks)]
-          _put(tree, where, LazyArray(self.our_shape(path, i), dtype, chunks))
+          put(tree, where, LazyArray(self.our_shape(path, i), dtype, chunks))
         else:
-          _put(tree, where, LazyArray(self.our_shape(path, i), dtype, [((), loader(group, i, k))]))
+          put(tree, where, LazyArray(self.our_shape(path, i), dtype, [((), loader(group, i, k))]))
     return tree
 
 
@@ -180,17 +160,13 @@ def convert(config: Config, argv: list[str]) -> str:
   tensors = HFTensors(folder)
   tokenizer = find_tokenizer(folder)
 
-  staging = f"{target}.partial-{os.getpid()}"
-  os.makedirs(staging)
-  try:
+  with staged(target) as staging:
     yml = os.path.join(staging, MODEL_YML)
     with open(yml, "w") as f:
       f.write(f"# Imported from {os.path.abspath(folder)} by convert_hf_checkpoint.py.\n")
       yaml.safe_dump(keys, f, sort_keys=False)
     model_config = train.load_config([*argv[1:], f"model_name={yml}"])
-    mesh = sharding.create_mesh(model_config)
-    abstract, _ = state_lib.params_layout(models.Transformer(model_config, mesh), model_config, mesh)
-    plan = Plan(model_config, tensors, abstract)
+    plan = Plan(model_config, tensors, abstract_params(model_config))
 
     from tqdm import tqdm
 
@@ -200,9 +176,6 @@ def convert(config: Config, argv: list[str]) -> str:
     if tokenizer:
       for name in tokenizer[1]:
         shutil.copy(os.path.join(folder, name), os.path.join(staging, os.path.basename(name)))
-    os.rename(staging, target)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
 
   items = os.path.join(target, checkpointing.ITEM)
   use = f"model_name={os.path.join(target, MODEL_YML)} load_parameters_path={items}"

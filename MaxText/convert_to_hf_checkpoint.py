@@ -17,15 +17,11 @@ import sys
 if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import linen as nn  # noqa: E402
 
 from MaxText import checkpointing, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.convert import hf_families  # noqa: E402
+from MaxText.convert import abstract_params, get, hf_families, param_path, staged  # noqa: E402
 from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
-from MaxText.layers import models  # noqa: E402
 from MaxText.pyconfig import Config, ConfigError  # noqa: E402
 
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
@@ -36,15 +32,7 @@ def hf_tensors(config: Config, params: dict):
   model_groups, layer_groups = hf_families.layout(config)
 
   def leaf(path: str, i: int | None):
-    if i is None:
-      where = path
-    elif config.scan_layers:
-      where = f"layers.{path}"
-    else:
-      where = f"layers_{i}.{path}"
-    value = params
-    for key in where.split("."):
-      value = value[key]
+    value = get(params, param_path(config, path, i))
     return value[i] if i is not None and config.scan_layers else value
 
   instances = [(g, None) for g in model_groups]
@@ -96,29 +84,21 @@ def export(config: Config) -> str:
   tokenizer = None
   if config.tokenizer_path:
     tokenizer = tokenizer_lib.load(config.tokenizer_path, config.tokenizer_type)
-  abstract = jax.eval_shape(lambda rng: state_lib.init_params(models.Transformer(config), config, rng), jax.random.key(0))
-  params, source = checkpointing.restore_host_params(config, nn.meta.unbox(abstract))
+  params, source = checkpointing.restore_host_params(config, abstract_params(config))
   dtype = np.dtype(params["token_embedder"]["embedding"].dtype).name
 
-  staging = f"{out.rstrip('/')}.partial-{os.getpid()}"
-  os.makedirs(staging)
-  try:
+  with staged(out) as staging:
     count = write_shards(staging, hf_tensors(config, params), config.hf_max_shard_size_mb * 10**6)
     bos = tokenizer.bos_id if tokenizer and tokenizer.bos_id >= 0 else None
     eos = tokenizer.eos_id if tokenizer and tokenizer.eos_id >= 0 else None
     with open(os.path.join(staging, "config.json"), "w") as f:
-      json.dump(hf_families.hf_config(config, dtype, bos, eos) | {"dtype": dtype}, f, indent=2)
+      json.dump(hf_families.hf_config(config, dtype, bos, eos), f, indent=2)
     if tokenizer:
       path = os.path.expanduser(config.tokenizer_path)
       shutil.copy(path, os.path.join(staging, TOKENIZER_FILES[config.tokenizer_type]))
       extra = os.path.join(os.path.dirname(path), "tokenizer_config.json")
       if config.tokenizer_type == "huggingface" and os.path.isfile(extra):
         shutil.copy(extra, staging)
-    if os.path.isdir(out):
-      os.rmdir(out)
-    os.rename(staging, out)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
   print(f"Wrote {out} ({count} safetensors shard{'s' if count > 1 else ''}, {dtype}) from {source}", flush=True)
   return out
 

@@ -1,1 +1,56 @@
-"""Checkpoint conversion between Hugging Face and MaxText (convert_hf_checkpoint.py, convert_to_hf_checkpoint.py)."""
+"""Checkpoint conversion between Hugging Face and MaxText (convert_hf_checkpoint.py, convert_to_hf_checkpoint.py),
+and the small pieces both scripts share."""
+
+import contextlib
+import os
+import shutil
+
+import jax
+from flax import linen as nn
+
+from MaxText.pyconfig import Config
+
+
+def param_path(config: Config, path: str, layer: int | None) -> str:
+  """Dotted path of one of our parameters: `path` of the model, or of decoder layer `layer` (within the
+  stacked `layers` when scanned, where the layer is then an index into axis 0)."""
+  if layer is None:
+    return path
+  return f"layers.{path}" if config.scan_layers else f"layers_{layer}.{path}"
+
+
+def get(tree: dict, dotted: str):
+  for key in dotted.split("."):
+    tree = tree[key]
+  return tree
+
+
+def put(tree: dict, dotted: str, value) -> None:
+  *parents, last = dotted.split(".")
+  for key in parents:
+    tree = tree.setdefault(key, {})
+  tree[last] = value
+
+
+def abstract_params(config: Config) -> dict:
+  """The params' shapes and dtypes (ShapeDtypeStructs, no devices involved)."""
+  from MaxText import state
+  from MaxText.layers import models
+
+  boxed = jax.eval_shape(lambda rng: state.init_params(models.Transformer(config), config, rng), jax.random.key(0))
+  return nn.meta.unbox(boxed)
+
+
+@contextlib.contextmanager
+def staged(target: str):
+  """Yields a fresh sibling folder to write into; it becomes `target` (which must not exist, or be an empty
+  folder) only if the block completes, and is removed otherwise, so no half-written output is ever left."""
+  staging = f"{target.rstrip('/')}.partial-{os.getpid()}"
+  os.makedirs(staging)
+  try:
+    yield staging
+    if os.path.isdir(target):
+      os.rmdir(target)
+    os.rename(staging, target)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)

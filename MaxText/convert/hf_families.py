@@ -150,11 +150,12 @@ def _gpt2_keys(hf: Mapping) -> dict:
 
 
 def hf_config(cfg: Config, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-  """A config.json for transformers from our config (the inverse of model_keys)."""
+  """A config.json for transformers from our config (the inverse of model_keys); the dtype goes under both
+  transformers 4.x's key (torch_dtype) and 5.x's (dtype)."""
   block = cfg.decoder_block
   if block not in MODEL_TYPES:
     raise ConfigError(f"decoder_block={block} has no Hugging Face export")
-  common = {"architectures": [ARCHITECTURES[block]], "model_type": MODEL_TYPES[block], "torch_dtype": dtype}
+  common = {"architectures": [ARCHITECTURES[block]], "model_type": MODEL_TYPES[block], "torch_dtype": dtype, "dtype": dtype}
   common |= {"bos_token_id": bos_id, "eos_token_id": eos_id, "vocab_size": cfg.vocab_size}
   if block == "gpt3":
     return common | {

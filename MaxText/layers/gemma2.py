@@ -13,7 +13,6 @@ from flax import linen as nn
 
 from MaxText import common_types as ct
 from MaxText import sharding
-from MaxText.layers.linears import MlpBlock
 from MaxText.layers.llama import LlamaDecoderLayer
 
 
@@ -40,7 +39,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
     x = x + dropout(h, deterministic=self.deterministic)
 
     h = self.norm(cfg, "pre_ffw_norm")(x)
-    h = MlpBlock(cfg, self.mesh, name="mlp")(h)
+    h = self.mlp()(h)
     h = self.norm(cfg, "post_ffw_norm")(h)
     x = x + dropout(h, deterministic=self.deterministic)
     return sharding.constrain(x, act_axes, self.mesh, cfg), kv

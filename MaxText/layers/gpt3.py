@@ -8,8 +8,6 @@ not modelled, as in MaxText.)
 
 from flax import linen as nn
 
-from MaxText import common_types as ct
-from MaxText import sharding
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
 from MaxText.layers.llama import LlamaDecoderLayer
@@ -18,7 +16,7 @@ from MaxText.pyconfig import Config
 
 
 class Gpt3DecoderLayer(LlamaDecoderLayer):
-  """x [batch, length, embed] -> (x, kv), as LlamaDecoderLayer, with LayerNorms, biases and no RoPE."""
+  """Llama's layer (see there) with LayerNorms, biases and no RoPE."""
 
   @classmethod
   def norm(cls, config: Config, name: str) -> nn.Module:
@@ -27,18 +25,5 @@ class Gpt3DecoderLayer(LlamaDecoderLayer):
   def attention(self) -> Attention:
     return Attention(self.config, self.mesh, self.model_mode, use_bias=True, use_rope=False, name="self_attention")
 
-  @nn.compact
-  def __call__(self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, layer_index=0):
-    cfg = self.config
-    act_axes = (ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
-    x = sharding.constrain(x, act_axes, self.mesh, cfg)
-    dropout = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))
-
-    h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
-    h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions)
-    x = x + dropout(h, deterministic=self.deterministic)
-
-    h = self.norm(cfg, "post_self_attention_layer_norm")(x)
-    h = MlpBlock(cfg, self.mesh, use_bias=True, name="mlp")(h)
-    x = x + dropout(h, deterministic=self.deterministic)
-    return sharding.constrain(x, act_axes, self.mesh, cfg), kv
+  def mlp(self) -> MlpBlock:
+    return MlpBlock(self.config, self.mesh, use_bias=True, name="mlp")

@@ -1,7 +1,8 @@
 """The Llama 2/3 decoder layer (Touvron et al. 2023): pre-norm attention and SwiGLU MLP, residuals.
 
-Mistral, Gemma and Qwen 3 share its structure and subclass it (mistral.py, gemma.py, qwen3.py); the class
-attributes below are what they change.
+Mistral, Gemma, Qwen 3 and GPT-3 share its structure and subclass it (mistral.py, gemma.py, qwen3.py, gpt3.py):
+they change the class attributes and the norm, sliding_window, attention and mlp methods below. Gemma 2
+(gemma2.py) also has a call of its own, for its extra norms.
 """
 
 from typing import ClassVar
@@ -47,6 +48,9 @@ class LlamaDecoderLayer(nn.Module):
   def attention(self) -> Attention:
     return Attention(self.config, self.mesh, self.model_mode, use_qk_norm=self.qk_norm, name="self_attention")
 
+  def mlp(self) -> MlpBlock:
+    return MlpBlock(self.config, self.mesh, name="mlp")
+
   @nn.compact
   def __call__(
     self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, layer_index=0
@@ -62,6 +66,6 @@ class LlamaDecoderLayer(nn.Module):
     x = x + dropout(h, deterministic=self.deterministic)
 
     h = self.norm(cfg, "post_self_attention_layer_norm")(x)
-    h = MlpBlock(cfg, self.mesh, name="mlp")(h)
+    h = self.mlp()(h)
     x = x + dropout(h, deterministic=self.deterministic)
     return sharding.constrain(x, act_axes, self.mesh, cfg), kv
