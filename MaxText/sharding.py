@@ -17,8 +17,9 @@ from MaxText.pyconfig import Config, ConfigError
 
 
 def count_slices(devices: Sequence[jax.Device]) -> int:
-  """Slices (DCN granules): TPU slices where devices say so, else processes."""
-  if hasattr(devices[0], "slice_index"):
+  """Slices (DCN granules): TPU slices on TPUs, else processes (CPU and GPU devices of a multi-process job
+  report slice_index 0 for every process)."""
+  if devices[0].platform == "tpu" and hasattr(devices[0], "slice_index"):
     return len({d.slice_index for d in devices})
   return len({d.process_index for d in devices})
 
@@ -29,7 +30,7 @@ def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> 
   if len(devices) != config.num_devices:
     raise ConfigError(f"the config was derived for {config.num_devices} devices but {len(devices)} are present")
   if config.num_slices > 1:
-    granule_is_process = not hasattr(devices[0], "slice_index")
+    granule_is_process = devices[0].platform != "tpu" or not hasattr(devices[0], "slice_index")
     device_array = mesh_utils.create_hybrid_device_mesh(
       config.ici_mesh_shape,
       config.dcn_mesh_shape,

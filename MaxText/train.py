@@ -13,6 +13,7 @@ import logging  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 
 if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 import yaml  # noqa: E402
 
-from MaxText import checkpointing, input_pipeline, metrics, optimizers, pyconfig, sharding  # noqa: E402
+from MaxText import checkpointing, distributed, input_pipeline, metrics, optimizers, pyconfig, sharding  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText.layers import models  # noqa: E402
 from MaxText.pyconfig import Config, ConfigError  # noqa: E402
@@ -148,6 +149,7 @@ def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
 def load_config(argv) -> Config:
   values = pyconfig.parse(argv)
   configure_jax(values)
+  distributed.initialize(values)  # A multi-process job is joined before the first device query.
   try:
     devices = jax.devices()
   except RuntimeError as e:
@@ -324,17 +326,31 @@ def log(message: str) -> None:
 def run_cli(body, argv) -> int:
   """A script's exit code: runs body(config) for the command line `argv` (an int it returns is the exit code,
   anything else means 0); a user mistake (ConfigError, exit 2) or a failed run (TrainingError, exit 1) is one
-  line on stderr instead of a traceback."""
+  line on stderr instead of a traceback.
+
+  In a multi-process job a failing process leaves at once, without JAX's shutdown barrier (which would wait
+  for the other processes while they wait for it in a collective): they see it gone and fail too.
+  """
   logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
   try:
     code = body(load_config(argv[1:]))
-    return code if isinstance(code, int) else 0
+    code = code if isinstance(code, int) else 0
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
+    code = 2
   except TrainingError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return 1
+    code = 1
+  except Exception:
+    if not jax.distributed.is_initialized():
+      raise
+    traceback.print_exc()
+    code = 1
+  if code and jax.distributed.is_initialized():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code
 
 
 def _train_cli(config: Config) -> None:
