@@ -84,7 +84,7 @@ def decode(config: Config) -> int:
     config, mesh, eos_id=tokenizer.eos_id, pad_id=max(tokenizer.pad_id, 0), num_tokens=tokenizer.vocab_size
   )
   params, where = load_params(config, mesh, decoder.params_dtype())
-  print(f"Parameters from {where}", flush=True)
+  train.log(f"Parameters from {where}")
 
   key = jax.random.key(config.decode_sampling_seed)
   batch = config.micro_batch_size
@@ -98,19 +98,18 @@ def decode(config: Config) -> int:
     logits, cache = prefill_time(prefill, params, tokens, lengths)
     generate = compile_time(lambda: decoder.generate.lower(params, cache, logits, key).compile())
     out, count = generate_time(generate, params, cache, logits, key)
-    rows = [decoding.strip(row, decoder.eos_id) for row in np.asarray(out)[: len(chunk), : int(count)]]
-    steps += int(count) - 1  # the first token comes from the prefill
+    rows, count = decoder.fetch(out, count, len(chunk))
+    steps += count - 1  # the first token comes from the prefill
     generated += sum(max(len(r) - 1, 0) for r in rows)  # tokens the loop produced
     outputs.extend(tokenizer.decode(r.tolist()) for r in rows)
 
   for text, output in zip(prompts, outputs, strict=True):
-    print(f"Input `{text}` -> `{output}`", flush=True)
+    train.log(f"Input `{text}` -> `{output}`")
   per_step = generate_time.seconds / max(steps, 1)
-  print(
+  train.log(
     f"Prefill: {prefill_time.seconds * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
     f"{generate_time.seconds:.3f} s, {per_step * 1e3:.2f} ms per generated token, "
-    f"{generated / max(generate_time.seconds, 1e-9):.1f} tokens/s (batch {batch}); compile {compile_time.seconds:.1f} s",
-    flush=True,
+    f"{generated / max(generate_time.seconds, 1e-9):.1f} tokens/s (batch {batch}); compile {compile_time.seconds:.1f} s"
   )
   expected = config.autoregressive_decode_assert
   if expected:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import multihost_utils
 
 from MaxText import common_types as ct
 from MaxText import sharding
@@ -210,6 +211,13 @@ class Decoder:
     """Host arrays -> device arrays with the batch sharded as the cache is."""
     return jax.device_put(tokens, self.batch_sharding), jax.device_put(lengths, self.cache_shardings.positions)
 
+  def fetch(self, out: jax.Array, count: jax.Array, rows: int) -> tuple[list[np.ndarray], int]:
+    """generate's output on the host of every process (in a multi-process job each process holds only some
+    rows: they are gathered): the first `rows` rows, each up to (not including) its first EOS, and the number
+    of tokens generated per row (EOS and padding included)."""
+    out, count = jax.device_get(multihost_utils.process_allgather((out, count), tiled=True))
+    return [strip(row, self.eos_id) for row in np.asarray(out)[:rows, : int(count)]], int(count)
+
   def decode(self, params, prompts: list[np.ndarray], seed: int | None = None) -> list[np.ndarray]:
     """Token lists -> generated token lists (up to and without EOS), one per prompt, batched by the
     configured batch size."""
@@ -222,7 +230,7 @@ class Decoder:
       tokens, lengths = pad_prompts(chunk, batch, cfg.max_prefill_predict_length, self.pad_id)
       logits, cache = self.prefill(params, *self.put_batch(tokens, lengths))
       out, count = self.generate(params, cache, logits, key)
-      results.extend(strip(row, self.eos_id) for row in np.asarray(out)[: len(chunk), : int(count)])
+      results.extend(self.fetch(out, count, len(chunk))[0])
     return results
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from MaxText import distributed, pyconfig
+from MaxText import distributed, pyconfig, train_tokenizer
 from MaxText.pyconfig import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT
 
@@ -25,6 +25,8 @@ TRAIN = (
   "log_config=false",
   "jax_cache_dir=",
   "learning_rate_schedule_steps=6",
+  "override_model_config=true",
+  "vocab_size=512",  # Room for the SentencePiece tokenizer decode.py samples with.
 )
 
 
@@ -130,13 +132,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_train(out_dir, name, devices, *overrides, job=None):
-  """Starts train.py on `devices` simulated CPU devices; job=(port, count, id) joins a multi-process job."""
+DECODE_LOGS = ("decode_0", "decode_1", "decode")
+
+
+def start_train(out_dir, name, devices, *overrides, job=None, script="train.py"):
+  """Starts MaxText/`script` on `devices` simulated CPU devices; job=(port, count, id) joins a multi-process job."""
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
   if job is not None:
     port, count, process_id = job
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(process_id))
-  argv = [sys.executable, "MaxText/train.py", BASE_YML, f"base_output_directory={out_dir}", *TRAIN, *overrides]
+  argv = [sys.executable, f"MaxText/{script}", BASE_YML, f"base_output_directory={out_dir}", *TRAIN, *overrides]
   log = open(os.path.join(out_dir, f"{name}.log"), "w")  # noqa: SIM115  (closed with the process)
   return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -186,6 +191,18 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
   for step, loss in reference.items():
     assert split[step] == pytest.approx(loss, rel=1e-5), step
   assert "resumed from" in log_tail(out, "resumed")
+
+  # decode.py in a two-process job samples what a single process samples, and only process 0 prints.
+  texts = [f"The sun of the sea is {n} and the sea of the sun is {n + 1}." for n in range(60)]
+  train_tokenizer.train(texts * 5, vocab_size=300, output=f"{out}/tok.model")
+  sample = ("run_name=two", f"tokenizer_path={out}/tok.model", "prompt=The sun", "per_device_batch_size=1")
+  sample += ("max_prefill_predict_length=8", "max_target_length=16")
+  port = free_port()
+  job = [start_train(out, f"decode_{i}", 4, *sample, job=(port, 2, i), script="decode.py") for i in range(2)]
+  assert finish(job) == [0, 0], log_tail(out, "decode_0") + log_tail(out, "decode_1")
+  assert finish([start_train(out, "decode", 8, *sample, script="decode.py")]) == [0], log_tail(out, "decode")
+  printed = [[line for line in log_tail(out, name).splitlines() if line.startswith("Input")] for name in DECODE_LOGS]
+  assert printed[0] == printed[2] and len(printed[0]) == 1 and printed[1] == []
 
 
 def test_a_killed_process_takes_the_job_down(tmp_path):
