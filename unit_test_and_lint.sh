@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-"$PYTHON" -m ruff format --check MaxText end_to_end
-"$PYTHON" -m ruff check MaxText end_to_end
+LINTED=(MaxText end_to_end multihost_runner.py multihost_job.py MaxText/tests/fake_cloud/gcloud MaxText/tests/fake_cloud/gsutil)
+"$PYTHON" -m ruff format --check "${LINTED[@]}"
+"$PYTHON" -m ruff check "${LINTED[@]}"
 "$PYTHON" -m pytest -q -p no:cacheprovider MaxText/tests "$@"
