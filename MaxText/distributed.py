@@ -17,6 +17,8 @@ import os
 import re
 from collections.abc import Mapping
 
+import jax
+
 from MaxText.pyconfig import ConfigError
 
 TPU_COORDINATOR_PORT = 8482  # The port JAX's Cloud TPU detection uses; JAX_COORDINATOR_PORT overrides it.
@@ -50,12 +52,13 @@ def detect(values: Mapping, env: Mapping[str, str] = os.environ) -> Job | None:
 
 
 def initialize(values: Mapping, env: Mapping[str, str] = os.environ) -> Job | None:
-  """Starts (process 0) or joins the job's coordination service; returns the job, or None if there is none."""
-  job = detect(values, env)
-  if job is None:
-    return None
-  import jax  # noqa: PLC0415  (after configure_jax has chosen the platform)
+  """Starts (process 0) or joins the job's coordination service; returns the job, or None if there is none.
 
+  Once per process: a second call (a script that loads its config twice) keeps the job already joined.
+  """
+  job = detect(values, env)
+  if job is None or jax.distributed.is_initialized():
+    return job
   kwargs = {
     "initialization_timeout": values["jax_distributed_initialization_timeout"],
     "heartbeat_timeout_seconds": values["jax_distributed_heartbeat_timeout_seconds"],
@@ -74,14 +77,18 @@ def initialize(values: Mapping, env: Mapping[str, str] = os.environ) -> Job | No
       kwargs["coordinator_bind_address"] = job.coordinator_address
   try:
     jax.distributed.initialize(**kwargs)
-  except (RuntimeError, ValueError) as e:
-    first_line = " ".join(str(e).split())[:200]
-    where = job.coordinator_address or "the address JAX detects"
+  except ValueError:
+    if job.coordinator_address is None:
+      return None  # A TPU VM whose environment JAX finds no job in: a single host.
+    raise
+  except RuntimeError as e:
+    message = " ".join(str(e).split())[:200]
+    who = "this process" if job.process_id is None else f"process {job.process_id} of {job.process_count}"
+    where = job.coordinator_address or "the coordinator JAX detected"
     raise ConfigError(
-      f"process {job.process_id} of {job.process_count} (from {job.source}) could not join the job at {where}: "
-      f"{first_line}; start every process with the same coordinator address and process count, and check that "
-      f"process 0 is running and reachable (jax_distributed_initialization_timeout="
-      f"{values['jax_distributed_initialization_timeout']} s)"
+      f"{who} (from {job.source}) could not join the job at {where}: {message}; start every process with the "
+      "same coordinator address and process count, and check that process 0 is running and reachable "
+      f"(jax_distributed_initialization_timeout={values['jax_distributed_initialization_timeout']} s)"
     ) from None
   return job
 
@@ -108,8 +115,9 @@ def _explicit(values: Mapping, env: Mapping[str, str]) -> Job | None:
       "process count and this process's id together"
     )
   address = str(given["jax_coordinator_address"])
-  if not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^\s:\[\]]+):\d{1,5}", address):
-    raise ConfigError(f"jax_coordinator_address={address!r} is not host:port; give e.g. 10.0.0.2:8476")
+  match = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^\s:\[\]]+):(\d{1,5})", address)
+  if not match or not 0 < int(match.group(2)) < 65536:
+    raise ConfigError(f"coordinator address {address!r} (from {source}) is not host:port; give e.g. 10.0.0.2:8476")
   try:
     count, process_id = int(given["jax_process_count"]), int(given["jax_process_id"])
   except ValueError:
@@ -124,23 +132,23 @@ def _slurm(values: Mapping, env: Mapping[str, str]) -> Job | None:
   """A task started by `srun` (a batch script's own shell, without srun, is not one)."""
   if "SLURM_JOB_ID" not in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
     return None
-  count = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+  count = _int(env, "SLURM_STEP_NUM_TASKS", 0) or _int(env, "SLURM_NTASKS", 1)
   nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
-  port = env.get("JAX_COORDINATOR_PORT") or str(int(env["SLURM_JOB_ID"]) % 2**12 + SLURM_PORT_BASE)
+  port = env.get("JAX_COORDINATOR_PORT") or str(_int(env, "SLURM_JOB_ID") % 2**12 + SLURM_PORT_BASE)
   address = env.get("JAX_COORDINATOR_ADDRESS") or f"{first_host(nodes)}:{port}"
   local_ids = _slurm_local_devices(env) if values["hardware"] == "gpu" else None
-  return Job(address, count, int(env["SLURM_PROCID"]), "SLURM", local_ids)
+  return Job(address, count, _int(env, "SLURM_PROCID"), "SLURM", local_ids)
 
 
 def _slurm_local_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
-  """The GPUs this SLURM task drives: its own one when SLURM gave it one (--gpus-per-task=1) or when several
-  tasks share the node's GPUs (one per task, by SLURM_LOCALID); all visible ones with one task per node."""
+  """The GPUs this SLURM task drives: SLURM_LOCALID's one when the node's tasks share its GPUs (a task per GPU
+  with --gpus-per-node), else every GPU the task sees (--gpus-per-task, or one task per node)."""
   visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-  if len(visible) == 1:
-    return (0,)
-  node = int(env.get("SLURM_NODEID", "0"))
-  if _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1", node) > 1:
-    return (int(env.get("SLURM_LOCALID", "0")),)
+  tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+  tasks_here = _tasks_on_node(tasks_per_node, _int(env, "SLURM_NODEID", 0))
+  shared = tasks_here > 1 and not env.get("SLURM_GPUS_PER_TASK") and len(visible) >= tasks_here
+  if shared:
+    return (_int(env, "SLURM_LOCALID", 0),)
   return tuple(range(len(visible))) if visible else None
 
 
@@ -160,13 +168,25 @@ def _cloud_tpu(values: Mapping, env: Mapping[str, str]) -> Job | None:
   if "TPU_WORKER_HOSTNAMES" not in env or "TPU_WORKER_ID" not in env:
     return None
   hosts = [h for h in env["TPU_WORKER_HOSTNAMES"].split(",") if h]
-  slices = int(env.get("MEGASCALE_NUM_SLICES") or 1)
-  slice_id = int(env.get("MEGASCALE_SLICE_ID") or 0)
+  if not hosts:
+    raise ConfigError("TPU_WORKER_HOSTNAMES is empty; it must list this slice's workers, worker 0 first")
+  slices, slice_id = _int(env, "MEGASCALE_NUM_SLICES", 1), _int(env, "MEGASCALE_SLICE_ID", 0)
   address = env.get("MEGASCALE_COORDINATOR_ADDRESS") or hosts[0]  # Slice 0's worker 0, with or without a port.
   host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
   port = env.get("JAX_COORDINATOR_PORT") or TPU_COORDINATOR_PORT
-  process_id = slice_id * len(hosts) + int(env["TPU_WORKER_ID"])
+  process_id = slice_id * len(hosts) + _int(env, "TPU_WORKER_ID")
   return Job(f"{host}:{port}", slices * len(hosts), process_id, "TPU_WORKER_* and MEGASCALE_* variables")
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+  """An integer launcher variable; a malformed one is a config error naming it."""
+  text = env.get(name) or ""
+  if not text and default is not None:
+    return default
+  try:
+    return int(text)
+  except ValueError:
+    raise ConfigError(f"{name}={text!r} is not an integer; the launcher that started this process set it wrong") from None
 
 
 def first_host(nodelist: str) -> str:

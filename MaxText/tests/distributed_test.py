@@ -50,12 +50,19 @@ def test_config_keys_win_over_the_launcher_variables():
   assert distributed.detect(values("jax_process_count=1", "jax_process_id=0", "jax_coordinator_address=h:1")) is None
 
 
+SRUN_MINIMAL = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n1"}
+
+
 @pytest.mark.parametrize(
   "overrides, env, message",
   [
     (("jax_process_count=2",), {}, "jax_coordinator_address, jax_process_id not set"),
     ((), {"JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": "0"}, "jax_coordinator_address not set"),
     (("jax_coordinator_address=h0", "jax_process_count=2", "jax_process_id=0"), {}, "is not host:port"),
+    (("jax_coordinator_address=h0:99999", "jax_process_count=2", "jax_process_id=0"), {}, "is not host:port"),
+    ((), {"TPU_WORKER_ID": "one", "TPU_WORKER_HOSTNAMES": "h0,h1"}, "TPU_WORKER_ID='one' is not an integer"),
+    ((), {"TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": ""}, "TPU_WORKER_HOSTNAMES is empty"),
+    ((), {**SRUN_MINIMAL, "SLURM_PROCID": "x"}, "SLURM_PROCID='x'"),
     (("jax_coordinator_address=h0:1", "jax_process_count=2", "jax_process_id=2"), {}, "process id 2"),
     ((), {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "two", "JAX_PROCESS_ID": "0"}, "not an integer"),
   ],
@@ -94,6 +101,7 @@ def test_an_srun_task_finds_its_job_in_slurms_variables():
   [
     ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, (1,)),  # 4 tasks share the node's 4 GPUs: SLURM_LOCALID picks one.
     ({"CUDA_VISIBLE_DEVICES": "3"}, (0,)),  # --gpus-per-task=1: the one GPU this task sees.
+    ({"CUDA_VISIBLE_DEVICES": "4,5", "SLURM_GPUS_PER_TASK": "2"}, (0, 1)),  # --gpus-per-task=2: both of its own.
     ({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "1"}, (0, 1, 2, 3)),
   ],
 )
@@ -116,6 +124,14 @@ def test_tpu_style_variables_give_the_multislice_layout():
   tpu = distributed.detect(values("hardware=tpu"), env={})  # On TPUs JAX reads the VM's metadata itself.
   assert tpu.coordinator_address is None and tpu.source == "the Cloud TPU environment"
   assert distributed.detect(values("hardware=tpu", "skip_jax_distributed_system=true"), env={}) is None
+
+
+def test_a_second_initialize_keeps_the_job_already_joined(monkeypatch):
+  """Scripts that load their config twice (convert_hf_checkpoint.py) must not join twice."""
+  monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **_: pytest.fail("joined twice"))
+  env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": "1"}
+  assert distributed.initialize(values(), env=env).process_id == 1
 
 
 def test_first_host_of_a_slurm_node_list():
@@ -142,21 +158,20 @@ def start_train(out_dir, name, devices, *overrides, job=None, script="train.py")
     port, count, process_id = job
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(process_id))
   argv = [sys.executable, f"MaxText/{script}", BASE_YML, f"base_output_directory={out_dir}", *TRAIN, *overrides]
-  log = open(os.path.join(out_dir, f"{name}.log"), "w")  # noqa: SIM115  (closed with the process)
-  return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+  with open(os.path.join(out_dir, f"{name}.log"), "w") as log:  # The child keeps its own descriptor.
+    return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish(processes, timeout=240) -> list[int]:
+  """Exit codes of `processes`; past `timeout` seconds all of them are killed and the test fails."""
   deadline = time.time() + timeout
-  codes = []
-  for p in processes:
-    try:
-      codes.append(p.wait(timeout=max(deadline - time.time(), 1)))
-    except subprocess.TimeoutExpired:
-      for q in processes:
-        os.killpg(q.pid, signal.SIGKILL)
-      raise
-  return codes
+  try:
+    return [p.wait(timeout=max(deadline - time.time(), 1)) for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 def losses(path) -> dict[int, float]:
@@ -178,7 +193,8 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
   job = [start_train(out, f"two_{i}", 4, *two, f"metrics_file={out}/two.jsonl", job=(port, 2, i)) for i in range(2)]
   codes = finish(job)
   assert codes == [0, 0], log_tail(out, "two_0") + log_tail(out, "two_1")
-  assert not os.path.exists(f"{out}/two_1.jsonl")
+  with open(f"{out}/two.jsonl", encoding="utf-8") as f:
+    assert len(f.readlines()) == 4  # One line per step: only process 0 writes metrics.
   assert sorted(os.listdir(f"{out}/two/checkpoints")) == ["2", "4"]
 
   one = start_train(out, "one", 8, "run_name=one", "ici_fsdp_parallelism=8", "steps=6", f"metrics_file={out}/one.jsonl")
