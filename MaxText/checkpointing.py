@@ -45,6 +45,34 @@ def checkpoint_dir(config: Config) -> str:
   return os.path.join(run_dir(config), "checkpoints")
 
 
+def check_shared_run_dir(config: Config) -> None:
+  """In a multi-process job every process writes its shards of each checkpoint into the run directory, so all of
+  them must see one folder: process 0 writes a marker there, and every process must find it."""
+  if jax.process_count() == 1 or not config.enable_checkpointing:
+    return
+  from jax.experimental import multihost_utils
+
+  directory = run_dir(config)
+  token = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.default_rng().integers(2**31 - 1))))
+  marker = os.path.join(directory, f".shared_by_all_processes_{token}")
+  if jax.process_index() == 0:
+    os.makedirs(directory, exist_ok=True)
+    with open(marker, "w", encoding="utf-8"):
+      pass
+  multihost_utils.sync_global_devices("marker written")
+  seen = multihost_utils.process_allgather(np.bool_(os.path.exists(marker)))
+  multihost_utils.sync_global_devices("marker checked")
+  if jax.process_index() == 0:
+    os.remove(marker)
+  if not np.all(seen):
+    blind = [int(i) for i in np.flatnonzero(~np.asarray(seen))]
+    raise ConfigError(
+      f"base_output_directory={config.base_output_directory}: process(es) {blind} of {jax.process_count()} do not "
+      "see what process 0 writes there; checkpoints of a multi-process job need a folder every host shares "
+      "(NFS, a mounted bucket), or set enable_checkpointing=false"
+    )
+
+
 def create_manager(config: Config):
   """The run's orbax.checkpoint.CheckpointManager, or None when enable_checkpointing=false."""
   if not config.enable_checkpointing:

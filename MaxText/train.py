@@ -184,6 +184,7 @@ def train(config: Config, devices=None) -> dict:
   layout = state_lib.state_layout(model, config, tx, mesh)
   checkpointing.check_start_paths(config, layout)  # Before anything is written.
   input_pipeline.check(config)
+  checkpointing.check_shared_run_dir(config)
 
   run_dir = checkpointing.run_dir(config)
   manager = checkpointing.create_manager(config)
@@ -251,7 +252,11 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
       if config.profiler == "xplane" and completed == profile_stop:
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
-      save_now = manager is not None and (completed % config.checkpoint_period == 0 or completed == config.steps)
+      # SIGTERM (a preemption or maintenance notice) to any process: every process stops at the same step, saves.
+      preempted = manager is not None and manager.reached_preemption(completed)
+      save_now = manager is not None and (
+        completed % config.checkpoint_period == 0 or completed == config.steps or preempted
+      )
       eval_now = config.eval_interval > 0 and (completed % config.eval_interval == 0 or completed == config.steps)
       if completed % config.log_period and not (save_now or eval_now) and completed != config.steps and step != first_step:
         continue  # The first step is always measured: it gives the time to first step.
@@ -296,6 +301,11 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
       data_state = None if config.dataset_type == "synthetic" or not save_now else data.get_state()
       if save_now and checkpointing.save(manager, state, data_state):
         log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(config)}")
+      if preempted and completed < config.steps:
+        manager.wait_until_finished()
+        raise TrainingError(
+          f"preempted (SIGTERM) after step {step}; checkpoint {completed} is saved: run the same command again to resume"
+        )
   finally:
     writer.close()
 

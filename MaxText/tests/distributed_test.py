@@ -243,3 +243,38 @@ def test_a_killed_process_takes_the_job_down(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
   assert code != 0
   assert time.time() - killed < 60
+
+
+def test_sigterm_to_one_process_checkpoints_the_whole_job_at_one_step(tmp_path):
+  """A preemption notice (SIGTERM) to any process: all stop after the same step, save it, and exit non-zero."""
+  out = str(tmp_path)
+  port = free_port()
+  flags = ("run_name=term", "steps=10000", "checkpoint_period=10000", "dcn_data_parallelism=2")
+  job = [start_train(out, f"term_{i}", 4, *flags, f"metrics_file={out}/term.jsonl", job=(port, 2, i)) for i in range(2)]
+  try:
+    deadline = time.time() + 180
+    while not (os.path.exists(f"{out}/term.jsonl") and losses(f"{out}/term.jsonl")) and time.time() < deadline:
+      assert job[0].poll() is None, log_tail(out, "term_0")
+      time.sleep(0.5)
+    job[1].send_signal(signal.SIGTERM)
+    codes = finish(job, timeout=90)
+  finally:
+    finish(job, timeout=1)
+  assert codes == [1, 1]
+  saved = os.listdir(f"{out}/term/checkpoints")
+  assert len(saved) == 1 and int(saved[0]) == max(losses(f"{out}/term.jsonl")) + 1
+  for i in range(2):
+    assert f"checkpoint {saved[0]} is saved: run the same command again to resume" in log_tail(out, f"term_{i}")
+
+
+def test_processes_that_do_not_share_the_output_folder_stop_before_training(tmp_path):
+  """Each process would write its checkpoint shards where the others never look: a config error on all."""
+  port = free_port()
+  job = []
+  for i in range(2):
+    os.makedirs(tmp_path / f"host{i}")
+    job.append(start_train(str(tmp_path / f"host{i}"), "log", 4, "run_name=apart", "steps=2", job=(port, 2, i)))
+  assert finish(job, timeout=180) == [2, 2]
+  message = log_tail(str(tmp_path / "host1"), "log").strip().splitlines()[-1]
+  assert message.startswith("error: base_output_directory=") and "process(es) [1] of 2" in message
+  assert not os.path.exists(tmp_path / "host0" / "apart" / "checkpoints")
