@@ -301,14 +301,22 @@ PROJECT={q(job.project)}
 ZONE={q(job.zone)}
 
 # Where this VM sits in the job: the TPU runtime's variables, else the metadata server (where JAX looks too).
+# The server can lag the boot: up to 30 tries, 2 s apart.
 metadata() {{
-  curl -sf --max-time 10 -H 'Metadata-Flavor: Google' \\
-    "http://metadata.google.internal/computeMetadata/v1/instance/attributes/$1"
+  for attempt in $(seq 30); do
+    curl -sf --max-time 10 -H 'Metadata-Flavor: Google' \\
+      "http://metadata.google.internal/computeMetadata/v1/instance/attributes/$1" && return 0
+    sleep 2
+  done
+  echo "multihost_job: the metadata server gave no $1" >&2
+  return 1
 }}
 WORKER_ID=${{TPU_WORKER_ID:-$(metadata agent-worker-number)}}
 {slice_id}
 IFS=, read -ra HOSTS <<< "${{TPU_WORKER_HOSTNAMES:-$(metadata worker-network-endpoints)}}"
 NUM_WORKERS=$((NUM_SLICES * ${{#HOSTS[@]}}))
+# Without the worker list, clean-up cannot count the logs: it then waits its whole time before deleting.
+((NUM_WORKERS > 0)) || NUM_WORKERS=$((1 << 30))
 
 mkdir -p "$RUN_NAME" && cd "$RUN_NAME" || exit 1
 LOG={LOG_PREFIX}${{SLICE_ID}}_worker_${{WORKER_ID}}

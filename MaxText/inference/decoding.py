@@ -215,7 +215,7 @@ class Decoder:
     """generate's output on the host of every process (in a multi-process job each process holds only some
     rows: they are gathered): the first `rows` rows, each up to (not including) its first EOS, and the number
     of tokens generated per row (EOS and padding included)."""
-    out, count = jax.device_get(multihost_utils.process_allgather((out, count), tiled=True))
+    out, count = multihost_utils.process_allgather((out, count), tiled=True)
     return [strip(row, self.eos_id) for row in np.asarray(out)[:rows, : int(count)]], int(count)
 
   def decode(self, params, prompts: list[np.ndarray], seed: int | None = None) -> list[np.ndarray]:

@@ -1,10 +1,8 @@
 """Multi-process jobs: where a process learns its place (distributed.detect), and real two-process runs on CPU
 checked against one process with the same 8 devices."""
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +11,7 @@ import pytest
 
 from MaxText import distributed, pyconfig, train_tokenizer
 from MaxText.pyconfig import ConfigError
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, free_port, metrics_losses
 
 # A float32 tiny model; learning_rate_schedule_steps fixed so that runs of different lengths share a schedule.
 TRAIN = (
@@ -142,12 +140,6 @@ def test_first_host_of_a_slurm_node_list():
 
 
 # ---------------------------------------------------------------------------------------------- real jobs
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 DECODE_LOGS = ("decode_0", "decode_1", "decode")
 
 
@@ -174,11 +166,6 @@ def finish(processes, timeout=240) -> list[int]:
         p.wait()
 
 
-def losses(path) -> dict[int, float]:
-  with open(path, encoding="utf-8") as f:
-    return {r["step"]: r["learning/loss"] for r in map(json.loads, f) if "learning/loss" in r}
-
-
 def log_tail(out_dir, name) -> str:
   with open(os.path.join(out_dir, f"{name}.log"), encoding="utf-8") as f:
     return "".join(line for line in f.readlines()[-15:] if not line.startswith("[Gloo]"))
@@ -202,7 +189,10 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
   assert finish([one]) == [0], log_tail(out, "one")
   assert finish([start_train(out, "resumed", 8, *resumed)]) == [0], log_tail(out, "resumed")
 
-  reference, split = losses(f"{out}/one.jsonl"), {**losses(f"{out}/two.jsonl"), **losses(f"{out}/resumed.jsonl")}
+  reference, split = (
+    metrics_losses(f"{out}/one.jsonl"),
+    {**metrics_losses(f"{out}/two.jsonl"), **metrics_losses(f"{out}/resumed.jsonl")},
+  )
   assert sorted(split) == sorted(reference) == list(range(6))
   for step, loss in reference.items():
     assert split[step] == pytest.approx(loss, rel=1e-5), step
@@ -230,10 +220,10 @@ def test_a_killed_process_takes_the_job_down(tmp_path):
   job = [start_train(out, f"kill_{i}", 4, *flags, job=(port, 2, i)) for i in range(2)]
   try:
     deadline = time.time() + 180
-    while not (os.path.exists(f"{out}/kill.jsonl") and losses(f"{out}/kill.jsonl")) and time.time() < deadline:
+    while not (os.path.exists(f"{out}/kill.jsonl") and metrics_losses(f"{out}/kill.jsonl")) and time.time() < deadline:
       assert job[0].poll() is None, log_tail(out, "kill_0")
       time.sleep(0.5)
-    assert losses(f"{out}/kill.jsonl"), "the job never completed a step: " + log_tail(out, "kill_0")
+    assert metrics_losses(f"{out}/kill.jsonl"), "the job never completed a step: " + log_tail(out, "kill_0")
     os.killpg(job[1].pid, signal.SIGKILL)
     killed = time.time()
     code = job[0].wait(timeout=60)
@@ -253,7 +243,7 @@ def test_sigterm_to_one_process_checkpoints_the_whole_job_at_one_step(tmp_path):
   job = [start_train(out, f"term_{i}", 4, *flags, f"metrics_file={out}/term.jsonl", job=(port, 2, i)) for i in range(2)]
   try:
     deadline = time.time() + 180
-    while not (os.path.exists(f"{out}/term.jsonl") and losses(f"{out}/term.jsonl")) and time.time() < deadline:
+    while not (os.path.exists(f"{out}/term.jsonl") and metrics_losses(f"{out}/term.jsonl")) and time.time() < deadline:
       assert job[0].poll() is None, log_tail(out, "term_0")
       time.sleep(0.5)
     job[1].send_signal(signal.SIGTERM)
@@ -262,7 +252,7 @@ def test_sigterm_to_one_process_checkpoints_the_whole_job_at_one_step(tmp_path):
     finish(job, timeout=1)
   assert codes == [1, 1]
   saved = os.listdir(f"{out}/term/checkpoints")
-  assert len(saved) == 1 and int(saved[0]) == max(losses(f"{out}/term.jsonl")) + 1
+  assert len(saved) == 1 and int(saved[0]) == max(metrics_losses(f"{out}/term.jsonl")) + 1
   for i in range(2):
     assert f"checkpoint {saved[0]} is saved: run the same command again to resume" in log_tail(out, f"term_{i}")
 

@@ -1,6 +1,8 @@
 """Small shared helpers for the tests."""
 
+import json
 import os
+import socket
 
 from MaxText import pyconfig
 
@@ -30,3 +32,16 @@ def overrides(*args, **kw) -> list[str]:
 def config(*args, num_devices=1, **kw):
   """A Config of the tiny test model with `key=value` overrides."""
   return pyconfig.load([BASE_YML, *overrides(*args, **kw)], num_devices=num_devices, env={})
+
+
+def free_port() -> int:
+  """A TCP port free on loopback now (for a coordinator or an sshd the test starts)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def metrics_losses(path) -> dict[int, float]:
+  """{step: loss} of a metrics_file (JSON lines)."""
+  with open(path, encoding="utf-8") as f:
+    return {row["step"]: row["learning/loss"] for row in map(json.loads, f) if "learning/loss" in row}

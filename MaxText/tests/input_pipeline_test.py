@@ -12,7 +12,7 @@ import pytest
 
 from MaxText import train_tokenizer
 from MaxText.input_pipeline import text_pipeline
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, metrics_losses
 from MaxText.tests.helpers import overrides as overrides_of
 
 
@@ -160,16 +160,11 @@ def _run(tmp_path, *args, wait=True):
   return proc.returncode, proc.stdout, proc.stderr
 
 
-def _losses(path):
-  with open(path, encoding="utf-8") as f:
-    return {m["step"]: m["learning/loss"] for m in map(json.loads, f) if "learning/loss" in m}
-
-
 def test_grain_kill_9_and_resume_sees_the_same_batches(tmp_path, text_data):
   run = ("steps=60", "checkpoint_period=10", "log_period=1", "enable_checkpointing=true", "eval_interval=30")
   rc, _, err = _run(tmp_path, *_grain_args(text_data, "run_name=straight", *run, f"metrics_file={tmp_path}/s.jsonl"))
   assert rc == 0, err
-  straight = _losses(tmp_path / "s.jsonl")
+  straight = metrics_losses(tmp_path / "s.jsonl")
   assert sorted(straight) == list(range(60))
 
   args = _grain_args(text_data, "run_name=killed", *run, f"metrics_file={tmp_path}/k.jsonl")
@@ -179,13 +174,13 @@ def test_grain_kill_9_and_resume_sees_the_same_batches(tmp_path, text_data):
     time.sleep(0.01)
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
-  killed_at = len(_losses(tmp_path / "k.jsonl"))
+  killed_at = len(metrics_losses(tmp_path / "k.jsonl"))
   assert killed_at < 60, "the run finished before it was killed"
 
   rc, out, err = _run(tmp_path, *args)
   assert rc == 0, err
   assert "resumed from" in out
-  resumed = _losses(tmp_path / "k.jsonl")
+  resumed = metrics_losses(tmp_path / "k.jsonl")
   assert sorted(resumed) == list(range(60))
   for step, loss in resumed.items():
     assert loss == straight[step], f"step {step}: {loss} != {straight[step]} after resume"

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import REPO_ROOT
+from MaxText.tests.helpers import REPO_ROOT, metrics_losses
 from MaxText.tests.helpers import overrides as overrides_of
 
 FAKE_BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cloud")
@@ -119,10 +119,6 @@ def _read(path):
     return f.read()
 
 
-def _losses(path):
-  return np.array([m["learning/loss"] for m in map(json.loads, _read(path).splitlines())])
-
-
 def _cmdline(pid):
   try:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -179,7 +175,12 @@ def test_two_slices_train_like_one_process_of_8_devices(cloud, tmp_path):
     assert "COMMAND exited with status 0" in log, f"slice {s}:\n{log}\n{cloud.consoles()}"
   assert "completed step: 3" in logs[0] and "completed step" not in logs[1]  # One job: process 0 logs for all.
   assert logs[0].rstrip().endswith("2 of 2 logs uploaded; deleting the queued resource train-2-slices")
-  np.testing.assert_allclose(_losses(cloud.object_path("runs", run_name, "metrics.jsonl")), _losses(reference), rtol=1e-5)
+  job_losses, reference_losses = (
+    metrics_losses(cloud.object_path("runs", run_name, "metrics.jsonl")),
+    metrics_losses(reference),
+  )
+  assert sorted(job_losses) == sorted(reference_losses)
+  np.testing.assert_allclose(list(job_losses.values()), list(reference_losses.values()), rtol=1e-5)
   assert cloud.run(*QR, "list", f"--project={PROJECT}", f"--zone={ZONE}").stdout == ""
 
 
@@ -251,7 +252,8 @@ def test_stop_command_ends_a_running_job_and_a_second_create_is_refused(cloud, t
   start = time.time()
   stopped = cloud.run(*printed["Stop"])
   assert stopped.returncode == 0, stopped.stderr
-  assert cloud.wait_until_gone("sleeper", timeout=30) + (time.time() - start) < 30
+  cloud.wait_until_gone("sleeper", timeout=30)
+  assert time.time() - start < 30
 
 
 def test_dry_run_prints_the_commands_a_user_would_type(tmp_path):

@@ -19,19 +19,13 @@ import time
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import REPO_ROOT
+from MaxText.tests.helpers import REPO_ROOT, free_port, metrics_losses
 from MaxText.tests.helpers import overrides as overrides_of
 
 RUNNER = os.path.join(REPO_ROOT, "multihost_runner.py")
 SSHD = "/usr/sbin/sshd"
 HOSTS = ("127.0.0.1", "127.0.0.2")
 JOB_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_ID")
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -178,12 +172,6 @@ def _worker_command(args: list[str]) -> str:
   return "XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu " + shlex.join([sys.executable, *args])
 
 
-def _losses(path) -> dict[int, float]:
-  with open(path, encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f]
-  return {row["step"]: row["learning/loss"] for row in rows if "learning/loss" in row}
-
-
 def test_two_hosts_train_as_one_job_with_the_losses_of_one_process(sshd, tmp_path):
   """Two workers over ssh are one 8-device JAX job, data parallel across the processes (dcn_data_parallelism=2): the
   same float32 losses as one process of 8 devices with the same mesh inside it (ici_data_parallelism=2).
@@ -222,7 +210,7 @@ def test_two_hosts_train_as_one_job_with_the_losses_of_one_process(sshd, tmp_pat
   )
   assert reference.returncode == 0, reference.stderr[-3000:]
 
-  one, two = _losses(single), _losses(multi)
+  one, two = metrics_losses(single), metrics_losses(multi)
   # Process 0 alone writes the metrics: two independent 4-device jobs would each be a process 0 and write 8 rows.
   assert sorted(two) == sorted(one) == [0, 1, 2, 3]
   np.testing.assert_allclose([two[s] for s in range(4)], [one[s] for s in range(4)], rtol=1e-5)
