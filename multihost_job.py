@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 
+from multihost_runner import UsageError, check_command  # The COMMAND check and its error type, shared.
+
 QUEUED_RESOURCES = ["gcloud", "alpha", "compute", "tpus", "queued-resources"]
 LOG_PREFIX = "main_command_log_slice_"  # Logs are main_command_log_slice_<S>_worker_<W>, as in MaxText.
 # Compute Engine resource names: a lowercase letter, then lowercase letters, digits or '-', not ending in '-'.
@@ -42,10 +44,6 @@ MAX_NAME_LENGTH = 63
 BUCKET_NAME = re.compile(r"[a-z0-9][-a-z0-9._]{1,220}[a-z0-9]")
 # Clean-up waits this long at most for every worker's log (5 s between looks), as MaxText's 10 minutes.
 TEARDOWN_POLLS, TEARDOWN_POLL_SECONDS = 120, 5
-
-
-class UsageError(Exception):
-  """A mistake in the command line or its inputs; the message says what and how to fix it (exit code 2)."""
 
 
 class CloudError(Exception):
@@ -155,19 +153,6 @@ def check_bucket_dir(bucket_dir: str) -> str:
       "parts, e.g. --BUCKET_DIR=jobs/llama"
     )
   return cleaned
-
-
-def check_command(command: str | None) -> str:
-  if not command or not command.strip():
-    raise UsageError(
-      "--COMMAND is missing; pass the shell command every worker runs from SCRIPT_DIR, e.g. "
-      "--COMMAND='bash setup.sh && python3 MaxText/train.py MaxText/configs/base.yml run_name=my-run'"
-    )
-  syntax = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True, check=False)
-  if syntax.returncode != 0:
-    reason = (syntax.stderr.strip().splitlines() or ["syntax error"])[-1]
-    raise UsageError(f"--COMMAND is not valid shell ({reason}); check its quotes and brackets")
-  return command
 
 
 def gcloud_default(key: str, flag: str) -> str:

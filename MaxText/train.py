@@ -240,6 +240,8 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
   profile_start = config.skip_first_n_steps_for_profiler
   profile_stop = profile_start + config.profiler_steps
 
+  # JAX's preemption service (SIGTERM -> a step every process stops at) runs only in a multi-process job.
+  watch_preemption = manager is not None and jax.distributed.is_initialized()
   step_times, losses = [], []
   last_time, last_step = time.time(), first_step
   summary = {"first_step": first_step}
@@ -253,7 +255,7 @@ def _train_loop(config, mesh, model, schedule, tx, layout, manager, run_dir) -> 
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
       # SIGTERM (a preemption or maintenance notice) to any process: every process stops at the same step, saves.
-      preempted = manager is not None and manager.reached_preemption(completed)
+      preempted = watch_preemption and manager.reached_preemption(completed)
       save_now = manager is not None and (
         completed % config.checkpoint_period == 0 or completed == config.steps or preempted
       )
