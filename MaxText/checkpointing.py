@@ -16,12 +16,14 @@ when the run restarts. What a run starts from, first match wins:
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import numpy as np
 
-from MaxText.pyconfig import Config, ConfigError
-from MaxText.state import StateLayout, TrainState, init_state, state_from_params
+from MaxText.common_types import Config, ConfigError
+from MaxText.layers import models
+from MaxText.state import StateLayout, TrainState, init_state, params_layout, state_from_params
 
 ITEM = "items"
 DATA_ITEM = "data"
@@ -38,6 +40,9 @@ class _DataSnapshot:
 
 
 def run_dir(config: Config) -> str:
+  """{base_output_directory}/{run_name}: what a run writes (checkpoints, tensorboard, config.yml)."""
+  if not config.run_name:
+    raise ConfigError("run_name is empty; pass run_name=NAME (output goes to base_output_directory/NAME)")
   return os.path.join(os.path.expanduser(config.base_output_directory), config.run_name)
 
 
@@ -104,6 +109,12 @@ def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
   return manager.save(step, args=ocp.args.Composite(**items), force=True)
 
 
+def reached_preemption(manager, step: int) -> bool:
+  """Whether a SIGTERM (a preemption or maintenance notice) to any process of a multi-process job means every
+  process saves and stops after `step`; JAX's preemption service runs only in such a job."""
+  return manager is not None and jax.distributed.is_initialized() and manager.reached_preemption(step)
+
+
 def restore_data(config: Config, manager, step: int, iterator) -> None:
   """Sets a text pipeline's iterator to its state saved in checkpoint <step> (exact resume)."""
   import grain.checkpoint
@@ -168,12 +179,35 @@ def check_compatible(path: str, target) -> None:
   for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(target):
     name = leaf_name(leaf_path)
     if name not in stored:
-      raise ConfigError(f"checkpoint {path} has no {name}; use the model config it was saved with, or a new run_name")
+      raise ConfigError(
+        _layer_layout_mismatch(path, name, stored)
+        or f"checkpoint {path} has no {name}; use the model config it was saved with, or a new run_name"
+      )
     if tuple(stored[name]) != tuple(leaf.shape):
       raise ConfigError(
         f"checkpoint {path} stores {name} with shape {tuple(stored[name])} but this config needs "
         f"{tuple(leaf.shape)}; use the model config it was saved with, or a new run_name"
       )
+
+
+def _layer_layout_mismatch(path: str, missing: str, stored) -> str | None:
+  """The message for a checkpoint whose decoder layers are stacked (scan_layers=true: params.layers) while the
+  config wants them one by one (params.layers_0, ...), or the reverse; None if that is not why `missing` is."""
+  scanned, unrolled = re.compile(r"(^|\.)layers\."), re.compile(r"(^|\.)layers_\d+\.")
+  if scanned.search(missing) and any(unrolled.search(name) for name in stored):
+    return (
+      f"checkpoint {path} stores the decoder layers one by one (params.layers_0, ...) but scan_layers=true needs "
+      "them stacked (params.layers); run with scan_layers=false, or import the Hugging Face model again with "
+      "scan_layers=true"
+    )
+  if unrolled.search(missing) and any(scanned.search(name) for name in stored):
+    return (
+      f"checkpoint {path} stores the decoder layers stacked (params.layers, saved with scan_layers=true) but "
+      "scan_layers=false needs them one by one (params.layers_0, ...); run with scan_layers=true, or write an "
+      "unscanned copy with `python3 MaxText/generate_param_only_checkpoint.py ... force_unroll=true` (or import "
+      "the Hugging Face model again with scan_layers=false)"
+    )
+  return None
 
 
 def _restore_tree(path: str, target):
@@ -215,6 +249,10 @@ def params_path(config: Config) -> str:
   given = config.load_parameters_path or config.load_full_state_path
   if given:
     return items_path(key, given)
+  if not config.run_name:
+    raise ConfigError(
+      "no parameters to load: give load_parameters_path=PATH/checkpoints/STEP/items (or the run_name of a run)"
+    )
   step = latest_step(config)
   if step is None:
     raise ConfigError(
@@ -246,6 +284,15 @@ def restore_params(config: Config, abstract_params) -> tuple[dict, str]:
   path = params_path(config)
   check_compatible(path, {"params": abstract_params})
   return _restore_tree(path, {"params": abstract_params})["params"], path
+
+
+def load_params(config: Config, mesh, dtype) -> tuple[dict, str]:
+  """The parameters of params_path(config), sharded on `mesh` and cast to `dtype` (decoding, benchmarks);
+  returns (params, where they came from)."""
+  abstract, shardings = params_layout(models.Transformer(config, mesh), config, mesh)
+  params, where = restore_params(config, abstract)
+  cast = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype), p), out_shardings=shardings)
+  return cast(params), where
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,68 @@
-"""Names shared by the layers, the sharding rules and the training loop.
+"""Types and names every module shares: the frozen `Config` and `ConfigError` (pyconfig builds the one,
+raises the other), logical axis names, and the model modes.
 
 Logical axis names: parameters and activations have separate names, so that their sharding can differ
 (e.g. FSDP shards a weight's `embed` axis while the activation's `activation_embed` stays whole).
 Every name here needs a rule in `logical_axis_rules` (configs/base.yml); a test checks that.
 """
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A mistake in the user's configuration; the message says what is wrong and how to fix it."""
+
+
+class Config:
+  """Frozen, typed run configuration: attribute access to the keys of base.yml plus derived values."""
+
+  __slots__ = ("_values",)
+
+  def __init__(self, values: Mapping[str, Any]):
+    object.__setattr__(self, "_values", MappingProxyType(dict(values)))
+
+  def __getattr__(self, name: str) -> Any:
+    try:
+      return self._values[name]
+    except KeyError:
+      raise AttributeError(f"Config has no key {name!r}") from None
+
+  def __setattr__(self, name, value):
+    raise AttributeError(f"Config is frozen; cannot set {name!r}")
+
+  def __reduce__(self):
+    return (Config, (dict(self._values),))
+
+  def __eq__(self, other):
+    return isinstance(other, Config) and dict(self._values) == dict(other._values)
+
+  def __hash__(self):
+    return hash(tuple(sorted(self._values.items())))
+
+  def as_dict(self) -> dict:
+    return {k: thaw(v) for k, v in self._values.items()}
+
+  def replace(self, **changes) -> "Config":
+    """A copy with some keys changed (no re-validation: for tests and derived sub-configs)."""
+    unknown = set(changes) - set(self._values)
+    if unknown:
+      raise AttributeError(f"Config has no keys {sorted(unknown)}")
+    return Config({**self._values, **{k: freeze(v) for k, v in changes.items()}})
+
+
+def freeze(value):
+  if isinstance(value, (list, tuple)):
+    return tuple(freeze(v) for v in value)
+  return value
+
+
+def thaw(value):
+  if isinstance(value, tuple):
+    return [thaw(v) for v in value]
+  return value
+
 
 # Parameter axes.
 EMBED = "embed"

@@ -4,7 +4,7 @@
       base_output_directory=OUT run_name=NAME [scan_layers=true] [weight_dtype=float32]
 
 DIR holds `config.json` and `*.safetensors` (sharded or not; `.bin` files are refused, never unpickled). The
-architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2; see convert/hf_families.py).
+architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2: the families of MaxText/families.py).
 Writes OUT/NAME/checkpoints/0/items (Orbax, params only, layers scanned or not as scan_layers says) and next to
 it model.yml (our model keys, for model_name=OUT/NAME/checkpoints/0/model.yml) and the tokenizer files. The
 tensors are streamed: each is read, converted to weight_dtype and written before the next is read. Everything
@@ -17,19 +17,19 @@ import os
 import shutil
 import sys
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
+import jax
+import numpy as np
+import yaml
 
-from MaxText import checkpointing, train  # noqa: E402
-from MaxText.convert import abstract_params, get, hf_families, param_path, put, staged  # noqa: E402
-from MaxText.convert.streaming import HFTensors, LazyArray, save_params  # noqa: E402
-from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
-from MaxText.layers.linears import DTYPES  # noqa: E402
-from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+from MaxText import checkpointing, cli, families, state
+from MaxText.common_types import Config, ConfigError
+from MaxText.convert import get, param_path, put, staged
+from MaxText.convert.streaming import HFTensors, LazyArray, save_params
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.layers.linears import DTYPES
 
 MODEL_YML = "model.yml"
 CHUNK_BYTES = 64 * 2**20  # a model-level tensor bigger than this (an embedding) is converted in blocks of rows
@@ -68,7 +68,8 @@ class Plan:
 
   def __init__(self, config: Config, tensors: HFTensors, abstract: dict):
     self.config, self.tensors, self.abstract = config, tensors, abstract
-    self.model_groups, self.layer_groups = hf_families.layout(config)
+    self.mapping = families.hf_mapping(config)
+    self.model_groups, self.layer_groups = self.mapping.layout(config)
     used = set()
     expected = {}  # (group, is a layer group) -> HF shapes, the same for every layer
     for group, i in self.instances():
@@ -87,7 +88,7 @@ class Plan:
             "the weights do not match config.json"
           )
         used.add(stored)
-    extra = sorted(n for n in set(tensors.files) - used if not hf_families.ignored(n, config))
+    extra = sorted(n for n in set(tensors.files) - used if not self.mapping.ignored(n, config))
     if extra:
       raise ConfigError(
         f"hf_model_path: tensor {extra[0]} (and {len(extra) - 1} more) is not part of a "
@@ -153,7 +154,7 @@ def convert(config: Config, argv: list[str]) -> str:
   if config.model_name != "default":
     raise ConfigError(f"model_name={config.model_name}: the importer takes the model from config.json; drop model_name")
   folder = os.path.expanduser(config.hf_model_path)
-  keys = hf_families.model_keys(read_hf_config(folder))
+  keys = families.model_keys_from_hf(read_hf_config(folder))
   target = os.path.join(checkpointing.checkpoint_dir(config), "0")
   if os.path.exists(target):
     raise ConfigError(f"{target} already exists; choose another run_name (an existing checkpoint is never overwritten)")
@@ -165,8 +166,8 @@ def convert(config: Config, argv: list[str]) -> str:
     with open(yml, "w") as f:
       f.write(f"# Imported from {os.path.abspath(folder)} by convert_hf_checkpoint.py.\n")
       yaml.safe_dump(keys, f, sort_keys=False)
-    model_config = train.load_config([*argv[1:], f"model_name={yml}"])
-    plan = Plan(model_config, tensors, abstract_params(model_config))
+    model_config = cli.load_config([*argv[1:], f"model_name={yml}"])
+    plan = Plan(model_config, tensors, state.abstract_params(model_config))
 
     from tqdm import tqdm
 
@@ -186,7 +187,7 @@ def convert(config: Config, argv: list[str]) -> str:
 
 
 def main(argv) -> int:
-  return train.run_cli(lambda config: convert(config, argv), argv)
+  return cli.run_cli(lambda config: convert(config, argv), argv, writes_run_dir=True)
 
 
 if __name__ == "__main__":

@@ -14,22 +14,22 @@ import os
 import shutil
 import sys
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from MaxText import checkpointing, train  # noqa: E402
-from MaxText.convert import abstract_params, get, hf_families, param_path, staged  # noqa: E402
-from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
-from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+from MaxText import checkpointing, cli, families, state
+from MaxText.common_types import Config, ConfigError
+from MaxText.convert import get, hf_families, param_path, staged
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
 
 
 def hf_tensors(config: Config, params: dict):
   """(Hugging Face name, array) of every tensor, in layer order."""
-  model_groups, layer_groups = hf_families.layout(config)
+  model_groups, layer_groups = families.hf_mapping(config).layout(config)
 
   def leaf(path: str, i: int | None):
     value = get(params, param_path(config, path, i))
@@ -84,7 +84,7 @@ def export(config: Config) -> str:
   tokenizer = None
   if config.tokenizer_path:
     tokenizer = tokenizer_lib.load(config.tokenizer_path, config.tokenizer_type)
-  params, source = checkpointing.restore_host_params(config, abstract_params(config))
+  params, source = checkpointing.restore_host_params(config, state.abstract_params(config))
   dtype = np.dtype(params["token_embedder"]["embedding"].dtype).name
 
   with staged(out) as staging:
@@ -92,7 +92,7 @@ def export(config: Config) -> str:
     bos = tokenizer.bos_id if tokenizer and tokenizer.bos_id >= 0 else None
     eos = tokenizer.eos_id if tokenizer and tokenizer.eos_id >= 0 else None
     with open(os.path.join(staging, "config.json"), "w") as f:
-      json.dump(hf_families.hf_config(config, dtype, bos, eos), f, indent=2)
+      json.dump(hf_families.hf_config(families.hf_mapping(config), config, dtype, bos, eos), f, indent=2)
     if tokenizer:
       path = os.path.expanduser(config.tokenizer_path)
       shutil.copy(path, os.path.join(staging, TOKENIZER_FILES[config.tokenizer_type]))
@@ -104,7 +104,7 @@ def export(config: Config) -> str:
 
 
 def main(argv) -> int:
-  return train.run_cli(export, argv)
+  return cli.run_cli(export, argv)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ import os
 import sys
 import time
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from MaxText import checkpointing, sharding, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.inference import decoding  # noqa: E402
-from MaxText.input_pipeline import tokenizer as tokenizer_lib  # noqa: E402
-from MaxText.layers import models  # noqa: E402
-from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+from MaxText import checkpointing, cli, sharding
+from MaxText.common_types import Config, ConfigError
+from MaxText.inference import decoding
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 
 def load_tokenizer(config: Config) -> tokenizer_lib.Tokenizer:
@@ -44,14 +42,6 @@ def read_prompts(config: Config) -> list[str]:
   if not prompts:
     raise ConfigError(f"decode_prompts_file={path} holds no prompt; write one prompt per line")
   return prompts
-
-
-def load_params(config: Config, mesh, dtype):
-  """The checkpoint's parameters, sharded, in `dtype` (see Decoder.params_dtype)."""
-  abstract, shardings = state_lib.params_layout(models.Transformer(config, mesh), config, mesh)
-  params, where = checkpointing.restore_params(config, abstract)
-  cast = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype), p), out_shardings=shardings)
-  return cast(params), where
 
 
 class Timer:
@@ -83,8 +73,8 @@ def decode(config: Config) -> int:
   decoder = decoding.Decoder(
     config, mesh, eos_id=tokenizer.eos_id, pad_id=max(tokenizer.pad_id, 0), num_tokens=tokenizer.vocab_size
   )
-  params, where = load_params(config, mesh, decoder.params_dtype())
-  train.log(f"Parameters from {where}")
+  params, where = checkpointing.load_params(config, mesh, decoder.params_dtype())
+  cli.log(f"Parameters from {where}")
 
   key = jax.random.key(config.decode_sampling_seed)
   batch = config.micro_batch_size
@@ -104,9 +94,9 @@ def decode(config: Config) -> int:
     outputs.extend(tokenizer.decode(r.tolist()) for r in rows)
 
   for text, output in zip(prompts, outputs, strict=True):
-    train.log(f"Input `{text}` -> `{output}`")
+    cli.log(f"Input `{text}` -> `{output}`")
   per_step = generate_time.seconds / max(steps, 1)
-  train.log(
+  cli.log(
     f"Prefill: {prefill_time.seconds * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
     f"{generate_time.seconds:.3f} s, {per_step * 1e3:.2f} ms per generated token, "
     f"{generated / max(generate_time.seconds, 1e-9):.1f} tokens/s (batch {batch}); compile {compile_time.seconds:.1f} s"
@@ -123,7 +113,7 @@ def decode(config: Config) -> int:
 
 
 def main(argv) -> int:
-  return train.run_cli(decode, argv)
+  return cli.run_cli(decode, argv)
 
 
 if __name__ == "__main__":

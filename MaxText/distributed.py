@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import jax
 
-from MaxText.pyconfig import ConfigError
+from MaxText.common_types import ConfigError
 
 TPU_COORDINATOR_PORT = 8482  # The port JAX's Cloud TPU detection uses; JAX_COORDINATOR_PORT overrides it.
 SLURM_PORT_BASE = 65535 - 2**12 + 1  # SLURM jobs: a port in [61440, 65535] from the job id, as JAX does.

@@ -12,15 +12,15 @@ decoding. An existing checkpoint is never overwritten.
 import os
 import sys
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import jax  # noqa: E402
+import jax
 
-from MaxText import checkpointing, sharding, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.layers import models  # noqa: E402
-from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+from MaxText import checkpointing, cli, sharding
+from MaxText import state as state_lib
+from MaxText.common_types import Config, ConfigError
+from MaxText.layers import models
 
 
 def unroll(params: dict, num_layers: int) -> dict:
@@ -57,7 +57,7 @@ def generate(config: Config) -> str:
 
 
 def main(argv) -> int:
-  return train.run_cli(generate, argv)
+  return cli.run_cli(generate, argv, writes_run_dir=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Times decoding's stages, as MaxText's script of the same name:
 
-    python3 MaxText/inference_microbenchmark.py MaxText/configs/base.yml run_name=NAME \
+    python3 MaxText/inference_microbenchmark.py MaxText/configs/base.yml \
       inference_microbenchmark_prefill_lengths=64,128 inference_microbenchmark_batch_sizes=1,8 [key=value ...]
 
 Parameters come from load_parameters_path (or load_full_state_path) when given, else a random init. For
@@ -9,7 +9,7 @@ each global batch size and prompt length it times (median of inference_microbenc
   - generate: one cached step (batch tokens), and the compiled generate loop per step;
 and reports tokens/s and, for a step, the bytes it must read (parameters + the whole KV cache) over its
 time: the memory bandwidth used, and its fraction of the device's peak where that is known
-(memory_bandwidth_gbps, or the table below).
+(memory_bandwidth_gbps, or metrics.DEVICE_PEAKS).
 """
 
 import json
@@ -18,38 +18,18 @@ import statistics
 import sys
 import time
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import linen as nn  # noqa: E402
+import jax
+import numpy as np
+from flax import linen as nn
 
-from MaxText import sharding, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.decode import load_params  # noqa: E402
-from MaxText.inference import decoding  # noqa: E402
-from MaxText.layers import models  # noqa: E402
-from MaxText.pyconfig import Config, ConfigError  # noqa: E402
-
-# Peak memory bandwidth per device in GB/s (vendor data sheets), by a substring of jax's device_kind.
-PEAK_BANDWIDTH_GBPS = {
-  "H200": 4800.0,
-  "H100": 3350.0,  # SXM, HBM3
-  "A100-SXM4-80GB": 2039.0,
-  "A100-SXM4-40GB": 1555.0,
-  "TPU v6 lite": 1640.0,
-  "TPU v5 lite": 819.0,
-  "TPU v5p": 2765.0,
-  "TPU v4": 1228.0,
-}
-
-
-def peak_bandwidth(config: Config, device) -> float | None:
-  """GB/s of one device: memory_bandwidth_gbps if set, else the table, else None (unknown, e.g. a CPU)."""
-  if config.memory_bandwidth_gbps > 0:
-    return config.memory_bandwidth_gbps
-  return next((gbps for name, gbps in PEAK_BANDWIDTH_GBPS.items() if name in device.device_kind), None)
+from MaxText import checkpointing, cli, metrics, sharding
+from MaxText import state as state_lib
+from MaxText.common_types import Config, ConfigError
+from MaxText.inference import decoding
+from MaxText.layers import models
 
 
 def _ints(key: str, text: str) -> list[int]:
@@ -104,7 +84,7 @@ def benchmark(config: Config) -> list[dict]:
   mesh = sharding.create_mesh(config)
   decoder = decoding.Decoder(config, mesh)
   if config.load_parameters_path or config.load_full_state_path:
-    params, where = load_params(config, mesh, decoder.params_dtype())
+    params, where = checkpointing.load_params(config, mesh, decoder.params_dtype())
   else:
     params, where = random_params(config, mesh, decoder.params_dtype()), "random init"
   shards = decoder.batch_shards()
@@ -114,7 +94,7 @@ def benchmark(config: Config) -> list[dict]:
       "shards of the mesh; give multiples of it"
     )
   device = mesh.devices.flat[0]
-  peak = peak_bandwidth(config, device)
+  peak = metrics.peak_bandwidth_gbps(device.device_kind, config.memory_bandwidth_gbps)
   print(f"Parameters: {where}, {_nbytes(params) / 1e6:.1f} MB; {len(mesh.devices.flat)} x {device.device_kind}", flush=True)
 
   results = []
@@ -181,7 +161,7 @@ def _describe(row: dict) -> str:
 
 
 def main(argv) -> int:
-  return train.run_cli(benchmark, argv)
+  return cli.run_cli(benchmark, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Model FLOPs, MFU and the metric writers (stdout, TensorBoard, JSON lines)."""
+"""Model FLOPs, device peaks and MFU, step timing, the profiler window, and the metric writers (TensorBoard,
+JSON lines)."""
 
 import dataclasses
 import json
@@ -6,36 +7,61 @@ import math
 import os
 import resource
 import statistics
+import time
 
 import jax
 
-from MaxText.pyconfig import Config
+from MaxText.common_types import Config
 
-# Dense bf16 peak TFLOP/s per device (per chip for TPUs), from the vendors' data sheets. Matched against
-# jax's device_kind, most specific first.
-PEAK_BF16_TFLOPS = (
-  ("TPU v4", 275.0),
-  ("TPU v5 lite", 197.0),
-  ("TPU v5e", 197.0),
-  ("TPU v5p", 459.0),
-  ("TPU v5", 459.0),
-  ("TPU v6 lite", 918.0),
-  ("TPU v6e", 918.0),
-  ("A100", 312.0),
-  ("H100", 989.0),
-  ("H200", 989.0),
-  ("B200", 2250.0),
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeak:
+  """A device's data-sheet peaks: dense bf16 TFLOP/s (for MFU) and memory bandwidth (for decoding's roofline)."""
+
+  name: str  # matched as a substring of jax's device_kind, ignoring case
+  bf16_tflops: float
+  memory_gbps: float | None  # GB/s of one device's HBM; None where the name covers parts that differ
+
+
+# Per device (per chip for TPUs), from the vendors' data sheets; most specific names first.
+DEVICE_PEAKS = (
+  DevicePeak("TPU v4", 275.0, 1228.0),
+  DevicePeak("TPU v5 lite", 197.0, 819.0),
+  DevicePeak("TPU v5e", 197.0, 819.0),
+  DevicePeak("TPU v5p", 459.0, 2765.0),
+  DevicePeak("TPU v5", 459.0, 2765.0),  # v5p reports device_kind "TPU v5"
+  DevicePeak("TPU v6 lite", 918.0, 1640.0),
+  DevicePeak("TPU v6e", 918.0, 1640.0),
+  DevicePeak("A100-SXM4-80GB", 312.0, 2039.0),
+  DevicePeak("A100-SXM4-40GB", 312.0, 1555.0),
+  DevicePeak("A100", 312.0, None),
+  DevicePeak("H100", 989.0, 3350.0),  # SXM, HBM3
+  DevicePeak("H200", 989.0, 4800.0),
+  DevicePeak("B200", 2250.0, 8000.0),
 )
+
+
+def device_peak(device_kind: str) -> DevicePeak | None:
+  """The DEVICE_PEAKS row of a device kind, or None when unknown (e.g. a CPU)."""
+  return next((row for row in DEVICE_PEAKS if row.name.lower() in device_kind.lower()), None)
 
 
 def peak_tflops(device_kind: str, cpu_peak_tflops: float = 0.0) -> float | None:
   """Peak dense bf16 TFLOP/s of a device kind, or None when unknown (CPU unless cpu_peak_tflops is set)."""
-  for name, peak in PEAK_BF16_TFLOPS:
-    if name.lower() in device_kind.lower():
-      return peak
+  row = device_peak(device_kind)
+  if row is not None:
+    return row.bf16_tflops
   if device_kind.lower() == "cpu" and cpu_peak_tflops > 0:
     return cpu_peak_tflops
   return None
+
+
+def peak_bandwidth_gbps(device_kind: str, memory_bandwidth_gbps: float = 0.0) -> float | None:
+  """GB/s of one device: memory_bandwidth_gbps if set, else DEVICE_PEAKS, else None (unknown, e.g. a CPU)."""
+  if memory_bandwidth_gbps > 0:
+    return memory_bandwidth_gbps
+  row = device_peak(device_kind)
+  return None if row is None else row.memory_gbps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +100,66 @@ def peak_memory_bytes() -> tuple[int, str]:
   if "peak_bytes_in_use" in stats:
     return int(stats["peak_bytes_in_use"]), "device"
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
+
+
+class StepClock:
+  """Seconds per step between logged steps, and the throughput figures of one device derived from them.
+
+  The first lap, the run's first step, also gives the time to first step: from `process_start`, so start-up,
+  restore and compilation are included; the steps after it are the step times.
+  """
+
+  def __init__(self, config: Config, device_kind: str, first_step: int, process_start: float):
+    self.flops = training_flops_per_device(config)
+    self.peak = peak_tflops(device_kind, config.cpu_peak_tflops)
+    self.tokens_per_device = config.global_batch_size * config.max_target_length / config.num_devices
+    self.process_start = process_start
+    self.last_time, self.last_step = time.time(), first_step
+    self.time_to_first_step: float | None = None
+    self.step_times: list[float] = []  # one entry per step after the first
+
+  def lap(self, completed: int) -> dict[str, float | None]:
+    """The perf/ scalars of the steps since the last lap, which ended after step `completed`."""
+    now = time.time()
+    step_time = (now - self.last_time) / (completed - self.last_step)
+    if self.time_to_first_step is None:  # The first lap is the first step alone (train.py always logs it).
+      self.time_to_first_step = now - self.process_start
+    else:
+      self.step_times.extend([step_time] * (completed - self.last_step))
+    self.last_time, self.last_step = now, completed
+    achieved = self.flops.total / step_time / 1e12
+    return {
+      "perf/step_time_seconds": step_time,
+      "perf/per_device_tflops_per_sec": achieved,
+      "perf/per_device_tokens_per_sec": self.tokens_per_device / step_time,
+      "perf/mfu": None if self.peak is None else achieved / self.peak,
+    }
+
+  def pause_until_now(self) -> None:
+    """Time since the last lap (an evaluation, say) is not step time."""
+    self.last_time = time.time()
+
+
+PROFILERS = ("", "xplane")  # `profiler`: none, or a JAX (XPlane) trace that TensorBoard's profile plugin reads
+
+
+class Profiler:
+  """profiler=xplane: a JAX trace of steps [skip_first_n_steps_for_profiler, + profiler_steps) into `directory`."""
+
+  def __init__(self, config: Config, directory: str):
+    self.enabled = config.profiler == "xplane"
+    self.start_step = config.skip_first_n_steps_for_profiler
+    self.stop_after = self.start_step + config.profiler_steps
+    self.directory = directory
+
+  def before_step(self, step: int) -> None:
+    if self.enabled and step == self.start_step:
+      jax.profiler.start_trace(self.directory)
+
+  def after_step(self, completed: int, outputs) -> None:
+    if self.enabled and completed == self.stop_after:
+      jax.block_until_ready(outputs)
+      jax.profiler.stop_trace()
 
 
 class MetricWriter:

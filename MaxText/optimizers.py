@@ -2,7 +2,7 @@
 
 import optax
 
-from MaxText.pyconfig import Config
+from MaxText.common_types import Config
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:

@@ -1,8 +1,10 @@
 """Configuration: a YAML file, `base_config:` inheritance, a model preset, `M_<KEY>` environment variables
-and `key=value` overrides, resolved into one frozen, typed `Config`.
+and `key=value` overrides, resolved into one frozen, typed `Config` (common_types).
 
 `configs/base.yml` is the schema: every key that may be set exists there, and a value is coerced to the
-type of its default. Parsing is pure: it reads yml files and nothing else (no jax, no directories).
+type of its default. Parsing reads yml files and nothing else (no devices, no directories). Keys with a fixed
+set of values are checked against the lists of the modules that give the values their meaning (the model
+families, remat policies, dtypes, data pipelines, ...), which is why this module sits above the layers.
 
   parse(argv)                          -> dict of typed raw values (device independent)
   derive(raw, num_devices, num_slices) -> dict of derived values (the one place they are computed)
@@ -14,11 +16,16 @@ A user mistake raises `ConfigError` whose message names the key, the value and t
 import difflib
 import math
 import os
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import yaml
+
+from MaxText import families, input_pipeline, metrics
+from MaxText.common_types import Config, ConfigError, freeze
+from MaxText.inference import sampling
+from MaxText.input_pipeline import tokenizer
+from MaxText.layers import embeddings, linears, models
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 BASE_YML = os.path.join(CONFIGS_DIR, "base.yml")
@@ -37,81 +44,26 @@ PARALLELISM_AXES = {
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
 UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism (no mixture-of-experts model)"}
 
-CHOICES = {
-  "hardware": ("cpu", "gpu", "tpu"),
-  "dtype": ("bfloat16", "float32", "float16"),
-  "weight_dtype": ("bfloat16", "float32", "float16"),
-  "matmul_precision": ("default", "high", "highest"),
-  "remat_policy": (
-    "full",
-    "minimal",
-    "save_qkv_proj",
-    "save_dot_except_mlp",
-    "save_dot_except_mlpwi",
-    "save_out_proj",
-    "none",
-  ),
-  "rope_type": ("default", "llama3.1"),
-  "decoder_block": ("llama2", "mistral", "gemma", "gemma2", "qwen3", "gpt3"),
-  "tokenizer_type": ("sentencepiece", "tiktoken", "huggingface"),
-  "dataset_type": ("synthetic", "grain", "tfds", "hf"),
-  "profiler": ("", "xplane"),
-  "decode_sampling_strategy": ("greedy", "weighted", "nucleus", "topk"),
-}
-ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
+# `hardware` -> the JAX platform it runs on (cli.configure_jax sets jax_platforms from it).
+HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 
-class ConfigError(ValueError):
-  """A mistake in the user's configuration; the message says what is wrong and how to fix it."""
-
-
-class Config:
-  """Frozen, typed run configuration: attribute access to the keys of base.yml plus derived values."""
-
-  __slots__ = ("_values",)
-
-  def __init__(self, values: Mapping[str, Any]):
-    object.__setattr__(self, "_values", MappingProxyType(dict(values)))
-
-  def __getattr__(self, name: str) -> Any:
-    try:
-      return self._values[name]
-    except KeyError:
-      raise AttributeError(f"Config has no key {name!r}") from None
-
-  def __setattr__(self, name, value):
-    raise AttributeError(f"Config is frozen; cannot set {name!r}")
-
-  def __reduce__(self):
-    return (Config, (dict(self._values),))
-
-  def __eq__(self, other):
-    return isinstance(other, Config) and dict(self._values) == dict(other._values)
-
-  def __hash__(self):
-    return hash(tuple(sorted(self._values.items())))
-
-  def as_dict(self) -> dict:
-    return {k: _thaw(v) for k, v in self._values.items()}
-
-  def replace(self, **changes) -> "Config":
-    """A copy with some keys changed (no re-validation: for tests and derived sub-configs)."""
-    unknown = set(changes) - set(self._values)
-    if unknown:
-      raise AttributeError(f"Config has no keys {sorted(unknown)}")
-    return Config({**self._values, **{k: _freeze(v) for k, v in changes.items()}})
-
-
-def _freeze(value):
-  if isinstance(value, (list, tuple)):
-    return tuple(_freeze(v) for v in value)
-  return value
-
-
-def _thaw(value):
-  if isinstance(value, tuple):
-    return [_thaw(v) for v in value]
-  return value
+def choices() -> dict[str, Collection[str]]:
+  """Each key with a fixed set of values -> those values, read from the module that owns them (at call time, so
+  a family registered after import counts)."""
+  return {
+    "hardware": HARDWARE_PLATFORMS,
+    "dtype": linears.DTYPES,
+    "weight_dtype": linears.DTYPES,
+    "matmul_precision": linears.PRECISIONS,
+    "remat_policy": models.REMAT_POLICIES,
+    "rope_type": embeddings.ROPE_TYPES,
+    "decoder_block": families.FAMILIES,
+    "tokenizer_type": tokenizer.LOADERS,
+    "dataset_type": input_pipeline.DATASET_TYPES,
+    "profiler": metrics.PROFILERS,
+    "decode_sampling_strategy": sampling.STRATEGIES,
+  }
 
 
 def _read_yml(path: str, seen=()) -> dict:
@@ -176,9 +128,9 @@ def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
     raise ConfigError(f"{key}={value!r} is not a string")
   if isinstance(default, list):
     if isinstance(value, (list, tuple)):
-      return _freeze(value)
+      return freeze(value)
     raise ConfigError(f"{key}={value!r} is not a list; give a YAML list such as {key}='{default}'")
-  return _freeze(value)
+  return freeze(value)
 
 
 def _parse_overrides(argv: Sequence[str], schema: Mapping) -> dict:
@@ -265,76 +217,83 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
 
 
 def _validate(values: Mapping) -> None:
-  """Checks that need no devices: choices, ranges and divisibility within the model."""
-  for key, choices in CHOICES.items():
-    if values[key] not in choices:
-      raise ConfigError(f"{key}={values[key]!r} is not supported; choose one of {', '.join(map(repr, choices))}")
-  for act in values["mlp_activations"]:
-    if act not in ACTIVATIONS:
-      raise ConfigError(f"mlp_activations contains {act!r}; choose among {', '.join(ACTIVATIONS)}")
+  """Checks that need no devices: choices, ranges, the model's shape, the axis rules, and the family's own."""
+  _check_choices(values)
+  _check_model(values)
+  _check_training(values)
+  _check_axis_rules(values)
+  families.get(values["decoder_block"]).check(values)
+
+
+def _check_choices(values: Mapping) -> None:
+  for key, valid in choices().items():
+    if values[key] not in valid:
+      raise ConfigError(f"{key}={values[key]!r} is not supported; choose one of {', '.join(map(repr, valid))}")
   if not values["mlp_activations"]:
     raise ConfigError("mlp_activations=[] is empty; give at least one activation, e.g. ['silu','linear']")
-  positive = (
-    "base_emb_dim",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "base_mlp_dim",
-    "base_num_decoder_layers",
-    "head_dim",
-    "vocab_size",
-    "max_target_length",
-    "log_period",
-    "checkpoint_period",
-    "gradient_accumulation_steps",
-  )
-  for key in positive:
+  for act in values["mlp_activations"]:
+    if act not in linears.ACTIVATIONS:
+      raise ConfigError(f"mlp_activations contains {act!r}; choose among {', '.join(linears.ACTIVATIONS)}")
+
+
+def _check_positive(values: Mapping, keys: Sequence[str]) -> None:
+  for key in keys:
     if values[key] <= 0:
       raise ConfigError(f"{key}={values[key]} must be positive")
+
+
+def _check_model(values: Mapping) -> None:
+  shape = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers")
+  _check_positive(values, (*shape, "head_dim", "vocab_size", "max_target_length"))
+  _check_positive(values, ("rope_min_timescale", "rope_max_timescale", "rope_scaling_factor"))
+  if values["base_num_query_heads"] % values["base_num_kv_heads"]:
+    raise ConfigError(
+      f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
+      f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
+    )
+  if not 0.0 <= values["dropout_rate"] < 1.0:
+    raise ConfigError(f"dropout_rate={values['dropout_rate']} must be in [0, 1)")
+  if values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:
+    raise ConfigError(
+      f"rope_high_freq_factor={values['rope_high_freq_factor']} must exceed "
+      f"rope_low_freq_factor={values['rope_low_freq_factor']}"
+    )
+
+
+def _check_training(values: Mapping) -> None:
+  _check_positive(values, ("log_period", "checkpoint_period", "gradient_accumulation_steps", "per_device_batch_size"))
+  if values["steps"] == -1 and values["learning_rate_schedule_steps"] == -1:
+    raise ConfigError("steps=-1 needs learning_rate_schedule_steps set; give one of them a positive value")
+  if values["steps"] < -1 or values["steps"] == 0:
+    raise ConfigError(f"steps={values['steps']} must be positive (or -1 to take learning_rate_schedule_steps)")
+  if not 0.0 <= values["warmup_steps_fraction"] <= 1.0:
+    raise ConfigError(f"warmup_steps_fraction={values['warmup_steps_fraction']} must be in [0, 1]")
   if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":
     raise ConfigError(f"eval_steps={values['eval_steps']}: synthetic data has no end; set eval_steps to a positive count")
   if values["eval_per_device_batch_size"] < 0:
     raise ConfigError(
       f"eval_per_device_batch_size={values['eval_per_device_batch_size']} must be >= 0 (0: per_device_batch_size)"
     )
-  if values["per_device_batch_size"] <= 0:
-    raise ConfigError(f"per_device_batch_size={values['per_device_batch_size']} must be positive")
-  if values["base_num_query_heads"] % values["base_num_kv_heads"]:
-    raise ConfigError(
-      f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
-      f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
-    )
-  if values["head_dim"] % 2 and values["decoder_block"] != "gpt3":
-    raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
-  if not 0.0 <= values["dropout_rate"] < 1.0:
-    raise ConfigError(f"dropout_rate={values['dropout_rate']} must be in [0, 1)")
-  if not 0.0 <= values["warmup_steps_fraction"] <= 1.0:
-    raise ConfigError(f"warmup_steps_fraction={values['warmup_steps_fraction']} must be in [0, 1]")
-  if values["steps"] == -1 and values["learning_rate_schedule_steps"] == -1:
-    raise ConfigError("steps=-1 needs learning_rate_schedule_steps set; give one of them a positive value")
-  if values["steps"] < -1 or values["steps"] == 0:
-    raise ConfigError(f"steps={values['steps']} must be positive (or -1 to take learning_rate_schedule_steps)")
   if values["load_parameters_path"] and values["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
-  for key in ("rope_min_timescale", "rope_max_timescale", "rope_scaling_factor"):
-    if values[key] <= 0:
-      raise ConfigError(f"{key}={values[key]} must be positive")
-  if values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:
-    raise ConfigError(
-      f"rope_high_freq_factor={values['rope_high_freq_factor']} must exceed "
-      f"rope_low_freq_factor={values['rope_low_freq_factor']}"
-    )
-  rules = values["logical_axis_rules"]
-  for rule in rules:
+
+
+def _check_axis_rules(values: Mapping) -> None:
+  if sorted(values["mesh_axes"]) != sorted(PARALLELISM_AXES.values()):
+    raise ConfigError(f"mesh_axes={list(values['mesh_axes'])} must be an ordering of {sorted(PARALLELISM_AXES.values())}")
+  for rule in values["logical_axis_rules"]:
     if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
       raise ConfigError(f"logical_axis_rules entry {list(rule)!r} is not [logical_name, [mesh_axes]]")
-    mesh_axes = rule[1] if isinstance(rule[1], tuple) else (rule[1],)
-    for axis in mesh_axes:
+    for axis in _rule_axes(rule[1]):
       if axis not in values["mesh_axes"]:
         raise ConfigError(
           f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; use one of {list(values['mesh_axes'])}"
         )
-  if sorted(values["mesh_axes"]) != sorted(PARALLELISM_AXES.values()):
-    raise ConfigError(f"mesh_axes={list(values['mesh_axes'])} must be an ordering of {sorted(PARALLELISM_AXES.values())}")
+
+
+def _rule_axes(mesh_axes) -> tuple[str, ...]:
+  """The mesh axes of one rule's right-hand side: an axis name, or a list of them."""
+  return mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
 
 
 def _scales(global_parameter_scale: int) -> tuple[int, int, int, int]:
@@ -359,18 +318,20 @@ def _fill_axes(kind: str, values: Mapping, total: int) -> dict[str, int]:
     if size == 0 or size < -1:
       raise ConfigError(f"{kind}_{name}_parallelism={size} must be positive or -1")
   known = math.prod(size for size in sizes.values() if size != -1)
-  unit = "devices per slice" if kind == "ici" else "slices"
+  unit = "devices per slice" if kind == "ici" else "slices (DCN granules: TPU slices, else processes)"
+  given = " x ".join(f"{kind}_{name}_parallelism={size}" for name, size in sizes.items() if size > 1)
+  given = given or f"every {kind}_*_parallelism=1"
   if fill:
     if total % known:
       raise ConfigError(
-        f"the {kind} parallelism product {known} does not divide {total} {unit}; "
+        f"{given} does not divide the {total} {unit} ({kind}_{fill[0]}_parallelism=-1 fills the rest); "
         f"choose {kind}_*_parallelism values whose product divides {total}"
       )
     sizes[fill[0]] = total // known
   elif known != total:
     raise ConfigError(
-      f"the {kind} parallelism product {known} does not match {total} {unit}; "
-      f"make the product {total}, or set one {kind} axis to -1 to fill"
+      f"{given} makes {known}, not the {total} {unit}; make the product {total}, "
+      f"or set one {kind}_*_parallelism to -1 to fill"
     )
   for name, label in UNSUPPORTED_AXES.items():
     if sizes[name] > 1:
@@ -381,82 +342,131 @@ def _fill_axes(kind: str, values: Mapping, total: int) -> dict[str, int]:
 def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   """Every derived value, from the typed raw values and the device topology.
 
-  Model shapes follow MaxText's global_parameter_scale; the mesh is ICI x DCN; batch sizes are global.
+  Model shapes follow MaxText's global_parameter_scale; the mesh is ICI x DCN; batch sizes are global; the
+  family adds its own derived keys last.
   """
+  d = _model_dims(values)
+  d |= _schedule(values)
+  d |= _mesh(values, num_devices, num_slices)
+  d |= _batches(values, num_devices)
+  _check_shards(values, d)
+  return d | families.get(values["decoder_block"]).derive({**values, **d})
+
+
+def _model_dims(values: Mapping) -> dict:
   emb_scale, head_scale, mlp_scale, layer_scale = _scales(values["global_parameter_scale"])
-  d = {
+  return {
     "emb_dim": values["base_emb_dim"] * 2**emb_scale,
     "num_query_heads": values["base_num_query_heads"] * 2**head_scale,
     "num_kv_heads": values["base_num_kv_heads"] * 2**head_scale,
     "mlp_dim": values["base_mlp_dim"] * 2**mlp_scale,
     "num_decoder_layers": values["base_num_decoder_layers"] * 2**layer_scale,
   }
-  schedule = values["learning_rate_schedule_steps"]
-  steps = values["steps"]
-  d["steps"] = schedule if steps == -1 else steps
-  d["learning_rate_schedule_steps"] = d["steps"] if schedule == -1 else schedule
-  d["warmup_steps"] = int(values["warmup_steps_fraction"] * d["learning_rate_schedule_steps"])
 
+
+def _schedule(values: Mapping) -> dict:
+  """steps and learning_rate_schedule_steps, each -1 taking the other; the warmup in steps."""
+  steps = values["learning_rate_schedule_steps"] if values["steps"] == -1 else values["steps"]
+  schedule = steps if values["learning_rate_schedule_steps"] == -1 else values["learning_rate_schedule_steps"]
+  warmup = int(values["warmup_steps_fraction"] * schedule)
+  return {"steps": steps, "learning_rate_schedule_steps": schedule, "warmup_steps": warmup}
+
+
+def _mesh(values: Mapping, num_devices: int, num_slices: int) -> dict:
+  """The mesh: ICI axes inside a slice times DCN axes across slices, in mesh_axes order."""
   if num_devices % num_slices:
     raise ConfigError(f"{num_devices} devices do not split evenly into {num_slices} slices")
   ici = _fill_axes("ici", values, num_devices // num_slices)
   dcn = _fill_axes("dcn", values, num_slices)
-  axis_of = PARALLELISM_AXES
-  d["ici_mesh_shape"] = tuple(ici[name] for axis in values["mesh_axes"] for name in axis_of if axis_of[name] == axis)
-  d["dcn_mesh_shape"] = tuple(dcn[name] for axis in values["mesh_axes"] for name in axis_of if axis_of[name] == axis)
-  d["mesh_shape"] = tuple(i * j for i, j in zip(d["ici_mesh_shape"], d["dcn_mesh_shape"], strict=True))
-  d["num_devices"] = num_devices
-  d["num_slices"] = num_slices
+  name_of = {axis: name for name, axis in PARALLELISM_AXES.items()}
+  ici_shape = tuple(ici[name_of[axis]] for axis in values["mesh_axes"])
+  dcn_shape = tuple(dcn[name_of[axis]] for axis in values["mesh_axes"])
+  return {
+    "ici_mesh_shape": ici_shape,
+    "dcn_mesh_shape": dcn_shape,
+    "mesh_shape": tuple(i * j for i, j in zip(ici_shape, dcn_shape, strict=True)),
+    "num_devices": num_devices,
+    "num_slices": num_slices,
+  }
 
+
+def _batches(values: Mapping, num_devices: int) -> dict:
+  """Global batch sizes: per_device_batch_size x devices rows per micro-batch, and the eval batch."""
   micro = values["per_device_batch_size"] * num_devices
   if micro < 1 or not float(micro).is_integer():
     raise ConfigError(
       f"per_device_batch_size={values['per_device_batch_size']} x {num_devices} devices = {micro} is not a whole "
       "number of sequences; choose a per_device_batch_size that gives one"
     )
-  d["micro_batch_size"] = int(micro)
-  d["global_batch_size"] = int(micro) * values["gradient_accumulation_steps"]
-
-  axis_size = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))
-  tensor, sequence = axis_size["tensor"], axis_size["sequence"]
-  for key, value in (
-    ("num_query_heads", d["num_query_heads"]),
-    ("num_kv_heads", d["num_kv_heads"]),
-    ("mlp_dim", d["mlp_dim"]),
-  ):
-    if value % tensor:
-      raise ConfigError(
-        f"{key}={value} is not divisible by tensor parallelism {tensor}; choose ici_tensor_parallelism dividing it"
-      )
-  if values["max_target_length"] % sequence:
-    raise ConfigError(
-      f"max_target_length={values['max_target_length']} is not divisible by sequence parallelism {sequence}; "
-      "choose ici_sequence_parallelism dividing it"
-    )
-  batch_shards = axis_size["data"] * axis_size["fsdp"] * axis_size["expert"]
-  if d["micro_batch_size"] % batch_shards:
-    raise ConfigError(
-      f"per_device_batch_size={values['per_device_batch_size']} gives a batch of {d['micro_batch_size']} that "
-      f"does not split over {batch_shards} data x fsdp shards; raise per_device_batch_size or move devices to "
-      "ici_tensor_parallelism/ici_sequence_parallelism"
-    )
   eval_per_device = values["eval_per_device_batch_size"] or values["per_device_batch_size"]
   eval_batch = eval_per_device * num_devices
-  if eval_batch < 1 or not float(eval_batch).is_integer() or int(eval_batch) % batch_shards:
+  if eval_batch < 1 or not float(eval_batch).is_integer():
     raise ConfigError(
       f"eval_per_device_batch_size={eval_per_device} x {num_devices} devices = {eval_batch} is not a whole number "
-      f"of sequences that splits over {batch_shards} data x fsdp shards; choose another eval_per_device_batch_size"
+      "of sequences; choose another eval_per_device_batch_size"
     )
-  d["eval_batch_size"] = int(eval_batch)
-  return d
+  return {
+    "micro_batch_size": int(micro),
+    "global_batch_size": int(micro) * values["gradient_accumulation_steps"],
+    "eval_batch_size": int(eval_batch),
+  }
+
+
+def _check_shards(values: Mapping, d: Mapping) -> None:
+  """Each sharded dimension must split evenly over the mesh axes its logical name maps to in
+  logical_axis_rules (a jitted array cannot be split unevenly)."""
+  dims = (
+    ("num_query_heads", d["num_query_heads"], "heads"),
+    ("num_kv_heads", d["num_kv_heads"], "kv_heads"),
+    ("mlp_dim", d["mlp_dim"], "mlp"),
+    ("max_target_length", values["max_target_length"], "activation_length"),
+  )
+  for key, size, logical in dims:
+    shards, axes = _shards(values, d, logical)
+    if size % shards:
+      raise ConfigError(
+        f"{key}={size} does not split over the {shards} shards of the mesh axes of {logical}: {axes}; make the product "
+        f"of these parallelism values divide {size}"
+      )
+  shards, axes = _shards(values, d, "activation_batch")
+  batch_axes = _rule_of(values, "activation_batch")
+  elsewhere = [
+    f"ici_{n}_parallelism" for n, a in PARALLELISM_AXES.items() if a not in batch_axes and n not in UNSUPPORTED_AXES
+  ]
+  for key, rows in (("per_device_batch_size", d["micro_batch_size"]), ("eval_per_device_batch_size", d["eval_batch_size"])):
+    if rows % shards:
+      raise ConfigError(
+        f"{key}={values[key] or values['per_device_batch_size']} gives a batch of {rows} rows that does not split "
+        f"over the {shards} shards of the mesh axes of activation_batch: {axes}; raise {key}, or move devices to axes "
+        f"that do not shard the batch ({', '.join(elsewhere)})"
+      )
+
+
+def _rule_of(values: Mapping, logical: str) -> tuple[str, ...]:
+  """The mesh axes of a logical name's first rule in logical_axis_rules."""
+  rule = next((mesh_axes for name, mesh_axes in values["logical_axis_rules"] if name == logical), ())
+  return _rule_axes(rule) if rule else ()
+
+
+def _shards(values: Mapping, d: Mapping, logical: str) -> tuple[int, str]:
+  """How many shards a logical name's mesh axes make, and those axes of size > 1 described with the parallelism
+  keys that set them, e.g. "fsdp=4 (ici_fsdp_parallelism=-1, dcn_fsdp_parallelism=1)"."""
+  axis_size = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))
+  name_of = {axis: name for name, axis in PARALLELISM_AXES.items()}
+  axes = _rule_of(values, logical)
+  described = [
+    f"{axis}={axis_size[axis]} (ici_{name_of[axis]}_parallelism={values[f'ici_{name_of[axis]}_parallelism']}, "
+    f"dcn_{name_of[axis]}_parallelism={values[f'dcn_{name_of[axis]}_parallelism']})"
+    for axis in axes
+    if axis_size[axis] > 1
+  ]
+  return math.prod(axis_size[axis] for axis in axes), " x ".join(described)
 
 
 def finalize(values: Mapping, num_devices: int, num_slices: int = 1) -> Config:
   """Typed raw values (from `parse`) plus derived values -> a frozen Config."""
   values = {**values, **derive(values, num_devices, num_slices)}
-  if not values["run_name"]:
-    raise ConfigError("run_name is empty; pass run_name=NAME (output goes to base_output_directory/NAME)")
-  return Config({k: _freeze(v) for k, v in values.items()})
+  return Config({k: freeze(v) for k, v in values.items()})
 
 
 def load(argv: Sequence[str], num_devices: int, num_slices: int = 1, env: Mapping[str, str] | None = None) -> Config:

@@ -13,7 +13,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import common_types
-from MaxText.pyconfig import Config, ConfigError
+from MaxText.common_types import Config, ConfigError
 
 
 def count_slices(devices: Sequence[jax.Device]) -> int:

@@ -1,24 +1,22 @@
 """Times the input pipeline alone, as MaxText's standalone_dataloader.py:
 
-    python3 MaxText/standalone_dataloader.py MaxText/configs/demo.yml run_name=x [steps=200 key=value ...]
+    python3 MaxText/standalone_dataloader.py MaxText/configs/demo.yml [steps=200 key=value ...]
 
 Builds the training iterator of the config (same mesh, same global arrays) and pulls `steps` batches
 without training, printing batches/s, tokens/s (all rows, and non-padding targets), to set beside the
 train step's consumption (tokens/s per device x devices).
 """
 
-import os
 import sys
 import time
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from MaxText import input_pipeline, sharding, train  # noqa: E402
-from MaxText.pyconfig import ConfigError  # noqa: E402
+from MaxText import cli, input_pipeline, sharding
 
 
 def measure(config, warmup: int = 5) -> dict:
@@ -42,20 +40,18 @@ def measure(config, warmup: int = 5) -> dict:
   }
 
 
-def main(argv) -> int:
-  try:
-    config = train.load_config(argv[1:])
-    rates = measure(config)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(
+def report(config) -> None:
+  rates = measure(config)
+  cli.log(
     f"dataset_type={config.dataset_type}: {rates['batches_per_sec']:.1f} batches/s, "
     f"{rates['tokens_per_sec']:,.0f} tokens/s over {config.num_devices} devices "
     f"({100 * rates['non_padding_fraction']:.1f}% non-padding) for {config.steps} batches of "
     f"{config.global_batch_size} x {config.max_target_length}"
   )
-  return 0
+
+
+def main(argv) -> int:
+  return cli.run_cli(report, argv)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from flax import struct
 from jax.sharding import Mesh
 
 from MaxText import sharding
+from MaxText.common_types import Config
 from MaxText.layers import models
-from MaxText.pyconfig import Config
 
 
 @struct.dataclass
@@ -62,6 +62,12 @@ def _abstract(boxed, mesh: Mesh, config: Config):
 def params_layout(model: nn.Module, config: Config, mesh: Mesh):
   """(abstract params with shardings, their shardings): the parameters alone, for decoding."""
   return _abstract(jax.eval_shape(lambda rng: init_params(model, config, rng), jax.random.key(0)), mesh, config)
+
+
+def abstract_params(config: Config) -> dict:
+  """The params' shapes and dtypes (ShapeDtypeStructs with no shardings: checkpoint conversion needs no devices)."""
+  boxed = jax.eval_shape(lambda rng: init_params(models.Transformer(config), config, rng), jax.random.key(0))
+  return nn.meta.unbox(boxed)
 
 
 def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:

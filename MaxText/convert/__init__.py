@@ -5,10 +5,7 @@ import contextlib
 import os
 import shutil
 
-import jax
-from flax import linen as nn
-
-from MaxText.pyconfig import Config
+from MaxText.common_types import Config
 
 
 def param_path(config: Config, path: str, layer: int | None) -> str:
@@ -30,15 +27,6 @@ def put(tree: dict, dotted: str, value) -> None:
   for key in parents:
     tree = tree.setdefault(key, {})
   tree[last] = value
-
-
-def abstract_params(config: Config) -> dict:
-  """The params' shapes and dtypes (ShapeDtypeStructs, no devices involved)."""
-  from MaxText import state
-  from MaxText.layers import models
-
-  boxed = jax.eval_shape(lambda rng: state.init_params(models.Transformer(config), config, rng), jax.random.key(0))
-  return nn.meta.unbox(boxed)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
-"""Hugging Face <-> MaxText for each model family: the config.json keys and the tensor layout.
+"""The Hugging Face checkpoint format: how a family's config.json and tensors map to our keys and parameters.
 
-`model_keys(hf_config)` reads a `config.json` (as transformers 4.x or 5.x writes it) into our model keys;
-`hf_config(config, dtype)` writes one back. `layout(config)` lists, for the whole model and for one decoder
-layer, which Hugging Face tensors make which of our parameters: a `Group` of HF names and our paths, with
-the two pure functions between them. The functions only transpose, reshape, slice and concatenate, so a
-round trip gives back the same bits.
+Each family (MaxText/families.py) owns an `HFMapping`: its model_type and architecture, `read_config`
+(config.json -> our model keys), `write_config` (our config -> config.json) and `layout` (which Hugging Face
+tensors make which of our parameters, for the whole model and for one decoder layer: a `Group` of HF names and
+our paths, with the two pure functions between them). The functions only transpose, reshape, slice and
+concatenate, so a round trip gives back the same bits. `llama_like` builds the mapping of the families that
+share Llama's tensor names; a family only names what it adds.
 
 Hugging Face stores a linear layer as W [out, in] (y = x W^T); we store kernels [in, *out] with heads split
 out (query [embed, heads, head_dim], out [heads, head_dim, embed]). GPT-2 stores Conv1D weights [in, out]
@@ -13,202 +14,18 @@ permutation of the query and key rows is needed.
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from MaxText.pyconfig import Config, ConfigError
+from MaxText.common_types import Config, ConfigError
 
-# model_type in config.json -> our decoder_block.
-FAMILIES = {"llama": "llama2", "mistral": "mistral", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gpt2": "gpt3"}
-ARCHITECTURES = {
-  "llama2": "LlamaForCausalLM",
-  "mistral": "MistralForCausalLM",
-  "qwen3": "Qwen3ForCausalLM",
-  "gemma": "GemmaForCausalLM",
-  "gemma2": "Gemma2ForCausalLM",
-  "gpt3": "GPT2LMHeadModel",
-}
-MODEL_TYPES = {block: model_type for model_type, block in FAMILIES.items()}
 # GELU with the tanh approximation under its Hugging Face names (our "gelu" is jax.nn.gelu, approximate=True).
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
-def _unsupported(what: str) -> ConfigError:
+def unsupported(what: str) -> ConfigError:
   return ConfigError(f"config.json: {what}")
-
-
-def _rope(hf: Mapping) -> dict:
-  """RoPE keys from rope_theta + rope_scaling (transformers 4.x) or rope_parameters (5.x)."""
-  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  if "full_attention" in params:  # 5.x may key the parameters by layer type
-    params = params["full_attention"]
-  theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
-  kind = params.get("rope_type", params.get("type", "default"))
-  keys = {"rope_max_timescale": float(theta)}
-  if kind == "llama3":
-    return keys | {
-      "rope_type": "llama3.1",
-      "rope_scaling_factor": float(params["factor"]),
-      "rope_low_freq_factor": float(params["low_freq_factor"]),
-      "rope_high_freq_factor": float(params["high_freq_factor"]),
-      "rope_original_max_position": int(params["original_max_position_embeddings"]),
-    }
-  if kind != "default":
-    raise _unsupported(f"rope type {kind!r} is not supported; supported: default and llama3")
-  return keys
-
-
-def _layer_types(hf: Mapping, expected: list[str], family: str) -> None:
-  types = hf.get("layer_types")
-  if types is not None and list(types) != expected:
-    raise _unsupported(f"layer_types={types} differ from {family}'s pattern; this variant is not supported")
-
-
-def model_keys(hf: Mapping) -> dict:
-  """Our model keys (a configs/models yml) from a Hugging Face config.json; ConfigError if unsupported."""
-  model_type = hf.get("model_type")
-  if model_type not in FAMILIES:
-    raise _unsupported(f"model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
-  block = FAMILIES[model_type]
-  archs = hf.get("architectures") or [ARCHITECTURES[block]]
-  if archs[0] != ARCHITECTURES[block]:
-    raise _unsupported(f"architecture {archs[0]} is not supported; a causal LM ({ARCHITECTURES[block]}) is needed")
-  if block == "gpt3":
-    return _gpt2_keys(hf)
-
-  emb, heads = hf["hidden_size"], hf["num_attention_heads"]
-  layers = hf["num_hidden_layers"]
-  keys = {
-    "decoder_block": block,
-    "base_emb_dim": emb,
-    "base_num_query_heads": heads,
-    "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
-    "base_mlp_dim": hf["intermediate_size"],
-    "base_num_decoder_layers": layers,
-    "head_dim": hf.get("head_dim") or emb // heads,
-    "vocab_size": hf["vocab_size"],
-    "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-    "logits_via_embedding": bool(hf.get("tie_word_embeddings", block in ("gemma", "gemma2"))),
-  } | _rope(hf)
-  if hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise _unsupported("attention_bias/mlp_bias=true is not supported for this family")
-
-  act = hf.get("hidden_activation") or hf.get("hidden_act")
-  if block in ("gemma", "gemma2"):
-    if act not in TANH_GELUS:
-      raise _unsupported(f"hidden activation {act!r} is not supported; Gemma uses gelu_pytorch_tanh")
-    keys["mlp_activations"] = ["gelu", "linear"]
-  else:
-    if act != "silu":
-      raise _unsupported(f"hidden_act={act!r} is not supported for {model_type}; only silu (SwiGLU)")
-    keys["mlp_activations"] = ["silu", "linear"]
-
-  window = hf.get("sliding_window") or 0
-  if block == "mistral":
-    keys["sliding_window_size"] = window
-  elif block == "qwen3":
-    if hf.get("use_sliding_window"):
-      raise _unsupported("use_sliding_window=true is not supported for qwen3")
-    _layer_types(hf, ["full_attention"] * layers, "qwen3")
-  elif block == "gemma2":
-    _layer_types(hf, ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], "gemma2")
-    keys |= {
-      "sliding_window_size": window,
-      "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0.0),
-      "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0.0),
-      "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or keys["head_dim"]),
-    }
-  return keys
-
-
-def _gpt2_keys(hf: Mapping) -> dict:
-  emb, heads = hf["n_embd"], hf["n_head"]
-  if emb % heads:
-    raise _unsupported(f"n_embd={emb} is not a multiple of n_head={heads}")
-  act = hf.get("activation_function", "gelu_new")
-  if act not in TANH_GELUS:
-    raise _unsupported(f"activation_function={act!r} is not supported; only the tanh GELU (gelu_new)")
-  if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-    raise _unsupported("scale_attn_weights=false or scale_attn_by_inverse_layer_idx=true is not supported")
-  if hf.get("tie_word_embeddings") is False:
-    raise _unsupported("tie_word_embeddings=false is not supported for gpt2")
-  return {
-    "decoder_block": "gpt3",
-    "base_emb_dim": emb,
-    "base_num_query_heads": heads,
-    "base_num_kv_heads": heads,
-    "base_mlp_dim": hf.get("n_inner") or 4 * emb,
-    "base_num_decoder_layers": hf["n_layer"],
-    "head_dim": emb // heads,
-    "vocab_size": hf["vocab_size"],
-    "mlp_activations": ["gelu"],
-    "normalization_layer_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-    "logits_via_embedding": True,
-    "trainable_position_size": hf["n_positions"],
-  }
-
-
-def hf_config(cfg: Config, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-  """A config.json for transformers from our config (the inverse of model_keys); the dtype goes under both
-  transformers 4.x's key (torch_dtype) and 5.x's (dtype)."""
-  block = cfg.decoder_block
-  if block not in MODEL_TYPES:
-    raise ConfigError(f"decoder_block={block} has no Hugging Face export")
-  common = {"architectures": [ARCHITECTURES[block]], "model_type": MODEL_TYPES[block], "torch_dtype": dtype, "dtype": dtype}
-  common |= {"bos_token_id": bos_id, "eos_token_id": eos_id, "vocab_size": cfg.vocab_size}
-  if block == "gpt3":
-    return common | {
-      "n_embd": cfg.emb_dim,
-      "n_head": cfg.num_query_heads,
-      "n_layer": cfg.num_decoder_layers,
-      "n_inner": cfg.mlp_dim,
-      "n_positions": cfg.trainable_position_size,
-      "layer_norm_epsilon": cfg.normalization_layer_epsilon,
-      "activation_function": "gelu_new",
-      "tie_word_embeddings": True,
-    }
-  rope_scaling = None
-  if cfg.rope_type == "llama3.1":
-    rope_scaling = {
-      "rope_type": "llama3",
-      "factor": cfg.rope_scaling_factor,
-      "low_freq_factor": cfg.rope_low_freq_factor,
-      "high_freq_factor": cfg.rope_high_freq_factor,
-      "original_max_position_embeddings": cfg.rope_original_max_position,
-    }
-  out = common | {
-    "hidden_size": cfg.emb_dim,
-    "intermediate_size": cfg.mlp_dim,
-    "num_attention_heads": cfg.num_query_heads,
-    "num_key_value_heads": cfg.num_kv_heads,
-    "num_hidden_layers": cfg.num_decoder_layers,
-    "head_dim": cfg.head_dim,
-    "rms_norm_eps": cfg.normalization_layer_epsilon,
-    "rope_theta": cfg.rope_max_timescale,
-    "rope_scaling": rope_scaling,
-    "tie_word_embeddings": cfg.logits_via_embedding,
-    "max_position_embeddings": max(cfg.max_target_length, cfg.rope_original_max_position),
-    "attention_bias": False,
-  }
-  if block in ("gemma", "gemma2"):
-    out |= {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
-  else:
-    out |= {"hidden_act": "silu"}
-  window = cfg.sliding_window_size or None
-  if block == "mistral":
-    out["sliding_window"] = window
-  if block == "qwen3":
-    out |= {"use_sliding_window": False, "layer_types": ["full_attention"] * cfg.num_decoder_layers}
-  if block == "gemma2":
-    out |= {
-      "sliding_window": window,
-      "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_decoder_layers)],
-      "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,
-      "final_logit_softcapping": cfg.final_logits_soft_cap or None,
-      "query_pre_attn_scalar": int(cfg.query_pre_attn_scalar or cfg.head_dim),
-    }
-  return out
 
 
 # ------------------------------------------------------------------------------------- tensor layout
@@ -283,73 +100,170 @@ def _concatenate(arrays):
   return jnp.concatenate(arrays, axis=-1)
 
 
-def layout(cfg: Config) -> tuple[list[Group], list[Group]]:
-  """(model-level groups, per-layer groups) of a family."""
-  if cfg.decoder_block == "gpt3":
-    return _gpt2_layout(cfg)
-  heads, kv, hd = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-  model = [same("model.embed_tokens.weight", "token_embedder.embedding"), same("model.norm.weight", "decoder_norm.scale")]
-  if not cfg.logits_via_embedding:
-    model.append(linear("lm_head.weight", "logits_dense.kernel", (cfg.vocab_size,)))
-  p = "model.layers.{i}."
-  layer = [
-    same(p + "input_layernorm.weight", "pre_self_attention_layer_norm.scale"),
-    linear(p + "self_attn.q_proj.weight", "self_attention.query.kernel", (heads, hd)),
-    linear(p + "self_attn.k_proj.weight", "self_attention.key.kernel", (kv, hd)),
-    linear(p + "self_attn.v_proj.weight", "self_attention.value.kernel", (kv, hd)),
-    linear_in(p + "self_attn.o_proj.weight", "self_attention.out.kernel", (heads, hd)),
-    linear(p + "mlp.gate_proj.weight", "mlp.wi_0.kernel", (cfg.mlp_dim,)),
-    linear(p + "mlp.up_proj.weight", "mlp.wi_1.kernel", (cfg.mlp_dim,)),
-    linear_in(p + "mlp.down_proj.weight", "mlp.wo.kernel", (cfg.mlp_dim,)),
-  ]
-  if cfg.decoder_block == "gemma2":
-    layer += [
-      same(p + "post_attention_layernorm.weight", "post_self_attention_norm.scale"),
-      same(p + "pre_feedforward_layernorm.weight", "pre_ffw_norm.scale"),
-      same(p + "post_feedforward_layernorm.weight", "post_ffw_norm.scale"),
-    ]
-  else:
-    layer.append(same(p + "post_attention_layernorm.weight", "post_self_attention_layer_norm.scale"))
-  if cfg.decoder_block == "qwen3":
-    layer += [
-      same(p + "self_attn.q_norm.weight", "self_attention.query_norm.scale"),
-      same(p + "self_attn.k_norm.weight", "self_attention.key_norm.scale"),
-    ]
-  return model, layer
+Layout = tuple[list[Group], list[Group]]  # (model-level groups, per-layer groups)
 
 
-def _gpt2_layout(cfg: Config) -> tuple[list[Group], list[Group]]:
-  heads, hd = cfg.num_query_heads, cfg.head_dim
-  model = [
-    same("transformer.wte.weight", "token_embedder.embedding"),
-    same("transformer.wpe.weight", "position_embedder.embedding"),
-    same("transformer.ln_f.weight", "decoder_norm.scale"),
-    same("transformer.ln_f.bias", "decoder_norm.bias"),
-  ]
-  p = "transformer.h.{i}."
-  qkv = ("self_attention.query", "self_attention.key", "self_attention.value")
-  layer = [
-    same(p + "ln_1.weight", "pre_self_attention_layer_norm.scale"),
-    same(p + "ln_1.bias", "pre_self_attention_layer_norm.bias"),
-    fused_qkv(p + "attn.c_attn.weight", tuple(f"{n}.kernel" for n in qkv), heads, hd),
-    fused_qkv(p + "attn.c_attn.bias", tuple(f"{n}.bias" for n in qkv), heads, hd),
-    conv1d_in(p + "attn.c_proj.weight", "self_attention.out.kernel", (heads, hd)),
-    same(p + "attn.c_proj.bias", "self_attention.out.bias"),
-    same(p + "ln_2.weight", "post_self_attention_layer_norm.scale"),
-    same(p + "ln_2.bias", "post_self_attention_layer_norm.bias"),
-    same(p + "mlp.c_fc.weight", "mlp.wi_0.kernel"),
-    same(p + "mlp.c_fc.bias", "mlp.wi_0.bias"),
-    same(p + "mlp.c_proj.weight", "mlp.wo.kernel"),
-    same(p + "mlp.c_proj.bias", "mlp.wo.bias"),
-  ]
-  return model, layer
-
-
-def ignored(name: str, cfg: Config) -> bool:
-  """Tensors some checkpoints carry that are not parameters: GPT-2's causal-mask buffers, rotary caches, and
-  a tied output head saved anyway."""
-  if cfg.decoder_block == "gpt3" and name.endswith(".attn.bias") and ".c_attn." not in name:
-    return True
+def not_parameters(name: str, cfg: Config) -> bool:
+  """Tensors some checkpoints carry that are not parameters: rotary caches, and a tied output head saved anyway."""
   if name == "lm_head.weight" and cfg.logits_via_embedding:
     return True
-  return name.endswith(("attn.masked_bias", "rotary_emb.inv_freq"))
+  return name.endswith("rotary_emb.inv_freq")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMapping:
+  """How one family's checkpoints look in Hugging Face's format."""
+
+  model_type: str  # config.json's model_type
+  architecture: str  # config.json's architectures[0]: the causal LM class of transformers
+  read_config: Callable[[Mapping], dict]  # config.json -> our model keys (a configs/models yml, decoder_block aside)
+  write_config: Callable[[Config], dict]  # our config -> config.json's keys (the common ones aside, see hf_config)
+  layout: Callable[[Config], Layout]
+  ignored: Callable[[str, Config], bool] = not_parameters  # tensors of a checkpoint that are not parameters
+
+
+def model_keys(mapping: HFMapping, decoder_block: str, hf: Mapping) -> dict:
+  """Our model keys from a config.json of `mapping`'s model_type; ConfigError where the variant is unsupported."""
+  archs = hf.get("architectures") or [mapping.architecture]
+  if archs[0] != mapping.architecture:
+    raise unsupported(f"architecture {archs[0]} is not supported; a causal LM ({mapping.architecture}) is needed")
+  return {"decoder_block": decoder_block} | mapping.read_config(hf)
+
+
+def hf_config(mapping: HFMapping, cfg: Config, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+  """A config.json for transformers from our config (the inverse of model_keys); the dtype goes under both
+  transformers 4.x's key (torch_dtype) and 5.x's (dtype)."""
+  common = {"architectures": [mapping.architecture], "model_type": mapping.model_type, "torch_dtype": dtype}
+  common |= {"dtype": dtype, "bos_token_id": bos_id, "eos_token_id": eos_id, "vocab_size": cfg.vocab_size}
+  return common | mapping.write_config(cfg)
+
+
+# ------------------------------------------------------------------------------------- Llama-like families
+def read_rope(hf: Mapping) -> dict:
+  """RoPE keys from rope_theta + rope_scaling (transformers 4.x) or rope_parameters (5.x)."""
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if "full_attention" in params:  # 5.x may key the parameters by layer type
+    params = params["full_attention"]
+  theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
+  kind = params.get("rope_type", params.get("type", "default"))
+  keys = {"rope_max_timescale": float(theta)}
+  if kind == "llama3":
+    return keys | {
+      "rope_type": "llama3.1",
+      "rope_scaling_factor": float(params["factor"]),
+      "rope_low_freq_factor": float(params["low_freq_factor"]),
+      "rope_high_freq_factor": float(params["high_freq_factor"]),
+      "rope_original_max_position": int(params["original_max_position_embeddings"]),
+    }
+  if kind != "default":
+    raise unsupported(f"rope type {kind!r} is not supported; supported: default and llama3")
+  return keys
+
+
+def write_rope(cfg: Config) -> dict:
+  scaling = None
+  if cfg.rope_type == "llama3.1":
+    scaling = {
+      "rope_type": "llama3",
+      "factor": cfg.rope_scaling_factor,
+      "low_freq_factor": cfg.rope_low_freq_factor,
+      "high_freq_factor": cfg.rope_high_freq_factor,
+      "original_max_position_embeddings": cfg.rope_original_max_position,
+    }
+  return {"rope_theta": cfg.rope_max_timescale, "rope_scaling": scaling}
+
+
+def check_layer_types(hf: Mapping, expected: list[str], family: str) -> None:
+  """config.json's per-layer attention kinds (transformers' layer_types), where given, must be the family's."""
+  types = hf.get("layer_types")
+  if types is not None and list(types) != expected:
+    raise unsupported(f"layer_types={types} differ from {family}'s pattern; this variant is not supported")
+
+
+# Llama's per-layer norms: (Hugging Face module, our module), each a `.weight` <-> `.scale`; the first is the one
+# before attention.
+LLAMA_NORMS = (
+  ("input_layernorm", "pre_self_attention_layer_norm"),
+  ("post_attention_layernorm", "post_self_attention_layer_norm"),
+)
+
+
+def llama_like(
+  model_type: str,
+  architecture: str,
+  *,
+  gelu: bool = False,
+  tied_by_default: bool = False,
+  norms: Sequence[tuple[str, str]] = LLAMA_NORMS,
+  read: Callable[[Mapping, dict], dict] = lambda hf, keys: {},
+  write: Callable[[Config], dict] = lambda cfg: {},
+) -> HFMapping:
+  """The mapping of a family with Llama's tensor names and config.json keys.
+
+  gelu: the MLP is GeGLU (hidden_act gelu_pytorch_tanh) rather than SwiGLU. tied_by_default: a config.json without
+  tie_word_embeddings ties the output head (Gemma). norms: the per-layer norm scales, Llama's unless the family
+  has others. read(hf, keys) and write(cfg): the family's own config.json keys, beyond Llama's.
+  """
+
+  def read_config(hf: Mapping) -> dict:
+    emb, heads = hf["hidden_size"], hf["num_attention_heads"]
+    keys = {
+      "base_emb_dim": emb,
+      "base_num_query_heads": heads,
+      "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+      "base_mlp_dim": hf["intermediate_size"],
+      "base_num_decoder_layers": hf["num_hidden_layers"],
+      "head_dim": hf.get("head_dim") or emb // heads,
+      "vocab_size": hf["vocab_size"],
+      "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+      "logits_via_embedding": bool(hf.get("tie_word_embeddings", tied_by_default)),
+    } | read_rope(hf)
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+      raise unsupported("attention_bias/mlp_bias=true is not supported for this family")
+    act = hf.get("hidden_activation") or hf.get("hidden_act")
+    if gelu and act not in TANH_GELUS:
+      raise unsupported(f"hidden activation {act!r} is not supported; {model_type} uses gelu_pytorch_tanh")
+    if not gelu and act != "silu":
+      raise unsupported(f"hidden_act={act!r} is not supported for {model_type}; only silu (SwiGLU)")
+    keys["mlp_activations"] = ["gelu" if gelu else "silu", "linear"]
+    return keys | read(hf, keys)
+
+  def write_config(cfg: Config) -> dict:
+    act = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"} if gelu else {"hidden_act": "silu"}
+    return {
+      "hidden_size": cfg.emb_dim,
+      "intermediate_size": cfg.mlp_dim,
+      "num_attention_heads": cfg.num_query_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "num_hidden_layers": cfg.num_decoder_layers,
+      "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.normalization_layer_epsilon,
+      **write_rope(cfg),
+      "tie_word_embeddings": cfg.logits_via_embedding,
+      "max_position_embeddings": max(cfg.max_target_length, cfg.rope_original_max_position),
+      "attention_bias": False,
+      **act,
+      **write(cfg),
+    }
+
+  def layout(cfg: Config) -> Layout:
+    heads, kv, hd = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
+    model = [same("model.embed_tokens.weight", "token_embedder.embedding"), same("model.norm.weight", "decoder_norm.scale")]
+    if not cfg.logits_via_embedding:
+      model.append(linear("lm_head.weight", "logits_dense.kernel", (cfg.vocab_size,)))
+    p = "model.layers.{i}."
+    first_norm, *other_norms = [same(f"{p}{hf}.weight", f"{ours}.scale") for hf, ours in norms]
+    layer = [
+      first_norm,
+      linear(p + "self_attn.q_proj.weight", "self_attention.query.kernel", (heads, hd)),
+      linear(p + "self_attn.k_proj.weight", "self_attention.key.kernel", (kv, hd)),
+      linear(p + "self_attn.v_proj.weight", "self_attention.value.kernel", (kv, hd)),
+      linear_in(p + "self_attn.o_proj.weight", "self_attention.out.kernel", (heads, hd)),
+      linear(p + "mlp.gate_proj.weight", "mlp.wi_0.kernel", (cfg.mlp_dim,)),
+      linear(p + "mlp.up_proj.weight", "mlp.wi_1.kernel", (cfg.mlp_dim,)),
+      linear_in(p + "mlp.down_proj.weight", "mlp.wo.kernel", (cfg.mlp_dim,)),
+      *other_norms,
+    ]
+    return model, layer
+
+  return HFMapping(model_type, architecture, read_config, write_config, layout)

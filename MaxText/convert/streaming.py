@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from MaxText.pyconfig import ConfigError
+from MaxText.common_types import ConfigError
 
 
 class HFTensors:

@@ -26,10 +26,10 @@ from jax.experimental import multihost_utils
 
 from MaxText import common_types as ct
 from MaxText import sharding
+from MaxText.common_types import Config, ConfigError
 from MaxText.inference.sampling import Sampling, sample
 from MaxText.layers import models
 from MaxText.layers.linears import DTYPES
-from MaxText.pyconfig import Config, ConfigError
 
 MIN_BUCKET = 16
 CACHE_KV_AXES = (ct.LAYERS,) + ct.CACHE_AXES

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from MaxText.pyconfig import Config, ConfigError
+from MaxText.common_types import Config, ConfigError
 
 STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 

@@ -18,8 +18,8 @@ import os
 
 import jax
 
+from MaxText.common_types import Config, ConfigError
 from MaxText.input_pipeline.synthetic import SyntheticIterator
-from MaxText.pyconfig import Config, ConfigError
 
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
 
@@ -39,34 +39,30 @@ def _files(key: str, pattern: str) -> list[str]:
   return files
 
 
-def _source(config: Config, split: str):
-  """(random-access documents of a split, the key of the text in a record or None)."""
-  train = split == "train"
-  if config.dataset_type == "grain":
-    key = "grain_train_files" if train else "grain_eval_files"
-    import grain  # Lazy: only text pipelines need Grain.
+def _grain_source(config: Config, train: bool):
+  key = "grain_train_files" if train else "grain_eval_files"
+  import grain  # Lazy: only text pipelines need Grain.
 
-    return grain.sources.ArrayRecordDataSource(_files(key, getattr(config, key))), None
-  if config.dataset_type == "tfds":
-    name = config.dataset_name if train else (config.eval_dataset_name or config.dataset_name)
-    if not name:
-      raise ConfigError("dataset_type=tfds needs dataset_name=NAME (and dataset_path= its TFDS data_dir)")
-    path = os.path.expanduser(config.dataset_path)
-    if path and not os.path.isdir(path):
-      raise ConfigError(f"dataset_path={path} does not exist; give the data_dir holding the prepared TFDS dataset")
-    import tensorflow_datasets as tfds  # Lazy: its array_record sources need no TensorFlow.
+  return grain.sources.ArrayRecordDataSource(_files(key, getattr(config, key))), None
 
-    try:
-      source = tfds.data_source(name, data_dir=path or None, split=config.train_split if train else config.eval_split)
-    except Exception as e:  # noqa: BLE001 (tfds raises many types for a missing or unprepared dataset)
-      raise ConfigError(
-        f"dataset_name={name} dataset_path={path}: no prepared TFDS dataset ({type(e).__name__}: "
-        f"{' '.join(str(e).split())[:160]}); prepare it first (e.g. python3 MaxText/build_demo_dataset.py)"
-      ) from None
-    return source, config.train_data_column
-  if config.dataset_type == "hf":
-    return _hf_source(config, train), config.train_data_column
-  raise ConfigError(f"dataset_type={config.dataset_type!r} has no text source")
+
+def _tfds_source(config: Config, train: bool):
+  name = config.dataset_name if train else (config.eval_dataset_name or config.dataset_name)
+  if not name:
+    raise ConfigError("dataset_type=tfds needs dataset_name=NAME (and dataset_path= its TFDS data_dir)")
+  path = os.path.expanduser(config.dataset_path)
+  if path and not os.path.isdir(path):
+    raise ConfigError(f"dataset_path={path} does not exist; give the data_dir holding the prepared TFDS dataset")
+  import tensorflow_datasets as tfds  # Lazy: its array_record sources need no TensorFlow.
+
+  try:
+    source = tfds.data_source(name, data_dir=path or None, split=config.train_split if train else config.eval_split)
+  except Exception as e:  # noqa: BLE001 (tfds raises many types for a missing or unprepared dataset)
+    raise ConfigError(
+      f"dataset_name={name} dataset_path={path}: no prepared TFDS dataset ({type(e).__name__}: "
+      f"{' '.join(str(e).split())[:160]}); prepare it first (e.g. python3 MaxText/build_demo_dataset.py)"
+    ) from None
+  return source, config.train_data_column
 
 
 def _hf_source(config: Config, train: bool):
@@ -80,15 +76,26 @@ def _hf_source(config: Config, train: bool):
   path = os.path.expanduser(config.hf_path)
   try:
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
-      return datasets.load_from_disk(path)[config.train_split if train else config.eval_split]
-    data_files = {"split": files} if files else None
-    split = "split" if files else (config.train_split if train else config.eval_split)
-    data_dir = os.path.expanduser(config.hf_data_dir) or None
-    return datasets.load_dataset(path, data_dir=data_dir, data_files=data_files, split=split)
+      source = datasets.load_from_disk(path)[config.train_split if train else config.eval_split]
+    else:
+      data_files = {"split": files} if files else None
+      split = "split" if files else (config.train_split if train else config.eval_split)
+      data_dir = os.path.expanduser(config.hf_data_dir) or None
+      source = datasets.load_dataset(path, data_dir=data_dir, data_files=data_files, split=split)
   except (FileNotFoundError, ValueError) as e:
     raise ConfigError(
       f"hf_path={config.hf_path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
     ) from None
+  return source, config.train_data_column
+
+
+# dataset_type -> (config, is the train split) -> (random-access documents, the key of the text in a record or None).
+TEXT_SOURCES = {"grain": _grain_source, "tfds": _tfds_source, "hf": _hf_source}
+DATASET_TYPES = ("synthetic", *TEXT_SOURCES)
+
+
+def _source(config: Config, split: str):
+  return TEXT_SOURCES[config.dataset_type](config, split == "train")
 
 
 def check(config: Config) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from MaxText import sharding
-from MaxText.pyconfig import Config
+from MaxText.common_types import Config
 
 
 def synthetic_rows(seed: int, step: int, rows: range, length: int, vocab_size: int) -> dict[str, np.ndarray]:

@@ -23,8 +23,8 @@ import grain.experimental as grain_experimental
 import numpy as np
 
 from MaxText import sharding
+from MaxText.common_types import Config
 from MaxText.input_pipeline.tokenizer import Tokenize
-from MaxText.pyconfig import Config
 
 # Grain's packed keys -> ours.
 _RENAME = {

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from MaxText.pyconfig import Config, ConfigError
+from MaxText.common_types import Config, ConfigError
 
 _FILES = {
   "sentencepiece": "a SentencePiece model",

@@ -7,10 +7,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types as ct
 from MaxText import sharding
+from MaxText.common_types import Config
 from MaxText.layers.embeddings import apply_rope, rope_frequencies
 from MaxText.layers.linears import PRECISIONS, DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.pyconfig import Config
 
 # Added to masked logits: large but finite, so a row never becomes NaN (MaxText's DEFAULT_MASK_VALUE).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

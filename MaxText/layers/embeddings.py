@@ -6,8 +6,8 @@ import numpy as np
 from flax import linen as nn
 
 from MaxText import common_types as ct
+from MaxText.common_types import Config
 from MaxText.layers.linears import PRECISIONS, dtypes
-from MaxText.pyconfig import Config
 
 
 class Embed(nn.Module):
@@ -37,6 +37,9 @@ class Embed(nn.Module):
     return jnp.einsum(
       "ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype), precision=PRECISIONS[self.config.matmul_precision]
     )
+
+
+ROPE_TYPES = ("default", "llama3.1")  # `rope_type`: RoFormer's frequencies, or with Llama 3.1's scaling (below)
 
 
 def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:

@@ -8,11 +8,11 @@ not modelled, as in MaxText.)
 
 from flax import linen as nn
 
+from MaxText.common_types import Config
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
 from MaxText.layers.llama import LlamaDecoderLayer
 from MaxText.layers.normalizations import LayerNorm
-from MaxText.pyconfig import Config
 
 
 class Gpt3DecoderLayer(LlamaDecoderLayer):

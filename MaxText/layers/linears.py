@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types as ct
 from MaxText import sharding
-from MaxText.pyconfig import Config
+from MaxText.common_types import Config
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}

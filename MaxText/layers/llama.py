@@ -12,10 +12,10 @@ from flax import linen as nn
 
 from MaxText import common_types as ct
 from MaxText import sharding
+from MaxText.common_types import Config
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.pyconfig import Config
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,63 +1,30 @@
-"""The decoder-only Transformer and the registry of decoder layers.
-
-Adding a model family: one file in layers/ with its decoder layer, one entry in DECODER_BLOCKS, one yml in
-configs/models/.
-"""
+"""The decoder-only Transformer: embeddings, a stack of one family's decoder layers (families.py), the output."""
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from MaxText import common_types as ct
-from MaxText import sharding
+from MaxText import families, sharding
+from MaxText.common_types import Config
 from MaxText.layers.attentions import soft_cap
 from MaxText.layers.embeddings import Embed
-from MaxText.layers.gemma import GemmaDecoderLayer
-from MaxText.layers.gemma2 import Gemma2DecoderLayer
-from MaxText.layers.gpt3 import Gpt3DecoderLayer
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers.llama import LlamaDecoderLayer
-from MaxText.layers.mistral import MistralDecoderLayer
-from MaxText.layers.qwen3 import Qwen3DecoderLayer
-from MaxText.pyconfig import Config, ConfigError
 
-DECODER_BLOCKS = {
-  "llama2": LlamaDecoderLayer,  # Llama 2 and 3 (and 3.1 with rope_type=llama3.1)
-  "mistral": MistralDecoderLayer,
-  "gemma": GemmaDecoderLayer,
-  "gemma2": Gemma2DecoderLayer,
-  "qwen3": Qwen3DecoderLayer,
-  "gpt3": Gpt3DecoderLayer,
+_save_only = jax.checkpoint_policies.save_only_these_names
+
+# MaxText's `remat_policy` names: what the backward pass keeps of the forward pass (by the checkpoint_name()s
+# in the layers) instead of recomputing it. full keeps nothing; minimal keeps matmul outputs without batch
+# dims; save_* keep the named projections; none does not rematerialise at all.
+REMAT_POLICIES = {
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  "save_qkv_proj": _save_only("query_proj", "key_proj", "value_proj"),
+  "save_dot_except_mlp": _save_only("query_proj", "key_proj", "value_proj", "out_proj"),
+  "save_dot_except_mlpwi": _save_only("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+  "save_out_proj": _save_only("out_proj"),
+  "none": None,
 }
-
-_SAVE_NAMES = {
-  "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-  "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
-  "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
-  "save_out_proj": ("out_proj",),
-}
-
-
-def remat_policy(name: str):
-  """jax.checkpoint policy of MaxText's `remat_policy` names, over the checkpoint_name()s in the layers.
-
-  full recomputes everything in the backward pass; minimal saves matmul outputs without batch dims;
-  save_* keep only the named projections; none is handled by not wrapping in remat at all.
-  """
-  if name == "full":
-    return jax.checkpoint_policies.nothing_saveable
-  if name == "minimal":
-    return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  if name in _SAVE_NAMES:
-    return jax.checkpoint_policies.save_only_these_names(*_SAVE_NAMES[name])
-  raise ConfigError(f"remat_policy={name!r} is not supported; choose full, minimal, none or one of {sorted(_SAVE_NAMES)}")
-
-
-def decoder_block(config: Config) -> type[nn.Module]:
-  try:
-    return DECODER_BLOCKS[config.decoder_block]
-  except KeyError:
-    raise ConfigError(f"decoder_block={config.decoder_block!r} is unknown; choose one of {sorted(DECODER_BLOCKS)}") from None
 
 
 class Transformer(nn.Module):
@@ -92,7 +59,7 @@ class Transformer(nn.Module):
     cache_positions=None,
   ):
     cfg, mode = self.config, self.model_mode
-    family = decoder_block(cfg)
+    family = families.get(cfg.decoder_block).layer
     embed = Embed(cfg, name="token_embedder")
     x = embed(tokens) if input_embeddings is None else input_embeddings
     if family.scale_embeddings:
@@ -103,7 +70,7 @@ class Transformer(nn.Module):
 
     block = family
     if cfg.remat_policy != "none" and mode == ct.MODEL_MODE_TRAIN:
-      block = nn.remat(block, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+      block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
     if cfg.scan_layers:
       scanned = nn.scan(

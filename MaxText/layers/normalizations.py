@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from MaxText import common_types as ct
+from MaxText.common_types import Config
 from MaxText.layers.linears import dtypes
-from MaxText.pyconfig import Config
 
 
 class RMSNorm(nn.Module):

@@ -52,7 +52,7 @@ def test_trained_then_exported_checkpoint_trains_on_with_the_same_losses(trained
     "dtype=float32",
   )
   resumed = train.train(imported, devices)
-  np.testing.assert_array_equal([x for _, x in resumed["losses"]], [x for _, x in original["losses"]])
+  np.testing.assert_array_equal([x for _, x in resumed.losses], [x for _, x in original.losses])
 
 
 def _copy(hf, dst):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from MaxText import distributed, pyconfig, train_tokenizer
-from MaxText.pyconfig import ConfigError
+from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, free_port, metrics_losses
 
 # A float32 tiny model; learning_rate_schedule_steps fixed so that runs of different lengths share a schedule.

@@ -9,7 +9,7 @@ FILE is JSON lines, one object per prompt: {"prompt": str, "tokens": [int], "log
 row at positions 0..n-1. A prompt passes when every logit is within atol + rtol * |golden| (np.allclose;
 MaxText's defaults atol = rtol = 0.1, loose enough for bfloat16 activations: pass dtype=float32 and tighter
 tolerances to show float32 parity) and, with --max_kl_div, when KL(softmax(golden) || softmax(ours)) at every
-position is at most KL. The `--` flags need `=`; run_name defaults to logit_check (nothing is written).
+position is at most KL. The `--` flags need `=`; nothing is written, so no run_name is needed.
 
 Prints the max |difference|, max relative difference and max KL of each prompt. Exit code 0: all prompts
 pass; 1: a prompt differs (one line with the prompt, position and amount); 2: a user mistake (missing or
@@ -21,16 +21,16 @@ import json
 import os
 import sys
 
-if __package__ in (None, ""):  # Run as a script: make the `MaxText` package importable.
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from MaxText import checkpointing, sharding, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
-from MaxText.layers import models  # noqa: E402
-from MaxText.pyconfig import Config, ConfigError  # noqa: E402
+from MaxText import checkpointing, cli, sharding
+from MaxText import state as state_lib
+from MaxText.common_types import Config, ConfigError
+from MaxText.layers import models
 
 FLAGS = {"golden_logits_path": str, "atol": float, "rtol": float, "max_kl_div": float}
 
@@ -163,9 +163,7 @@ def main(argv) -> int:
   """argv: [program, config.yml, key=value ..., --flag=value ...]; the flags are kept from pyconfig."""
   flag_args = [a for a in argv[1:] if a.startswith("--")]
   config_args = [a for a in argv if not a.startswith("--")]
-  if not any(a.startswith("run_name=") for a in config_args):
-    config_args.append("run_name=logit_check")
-  return train.run_cli(lambda config: check(config, flag_args), config_args)
+  return cli.run_cli(lambda config: check(config, flag_args), config_args)
 
 
 if __name__ == "__main__":

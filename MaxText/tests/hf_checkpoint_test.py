@@ -198,20 +198,20 @@ def test_bfloat16_round_trip_is_bit_exact(tmp_path):
 
 def test_config_json_of_transformers_4_and_5_give_the_same_keys():
   """rope_theta + rope_scaling (4.x) and rope_parameters (5.x) read alike; layer_types must fit the family."""
-  from MaxText.convert import hf_families
-  from MaxText.pyconfig import ConfigError
+  from MaxText import families
+  from MaxText.common_types import ConfigError
 
   base = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96)
   base |= dict(vocab_size=100, hidden_act="silu")
   rope = LLAMA3_ROPE | {"original_max_position_embeddings": 8192}
-  v4 = hf_families.model_keys(base | {"rope_theta": 500000.0, "rope_scaling": rope})
-  v5 = hf_families.model_keys(base | {"rope_parameters": rope | {"rope_theta": 500000.0}})
+  v4 = families.model_keys_from_hf(base | {"rope_theta": 500000.0, "rope_scaling": rope})
+  v5 = families.model_keys_from_hf(base | {"rope_parameters": rope | {"rope_theta": 500000.0}})
   assert v4 == v5 and v4["rope_type"] == "llama3.1" and v4["rope_max_timescale"] == 500000.0
   with pytest.raises(ConfigError, match="rope type 'yarn'"):
-    hf_families.model_keys(base | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    families.model_keys_from_hf(base | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
   gemma2 = dict(base, model_type="gemma2", hidden_activation="gelu_pytorch_tanh", head_dim=16)
   with pytest.raises(ConfigError, match="layer_types"):
-    hf_families.model_keys(gemma2 | {"layer_types": ["full_attention", "sliding_attention"]})
+    families.model_keys_from_hf(gemma2 | {"layer_types": ["full_attention", "sliding_attention"]})
 
 
 def test_imported_params_keep_their_values(tmp_path):

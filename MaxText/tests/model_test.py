@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from MaxText import pyconfig, train
+from MaxText import cli, train
 from MaxText.layers import embeddings, models
 from MaxText.tests.helpers import config
 
@@ -132,7 +132,7 @@ def _unstack_layers(params, num_layers):
   return params
 
 
-@pytest.mark.parametrize("remat_policy", list(pyconfig.CHOICES["remat_policy"]))
+@pytest.mark.parametrize("remat_policy", list(models.REMAT_POLICIES))
 def test_scanned_unrolled_and_remat_policies_agree(remat_policy):
   """Loss and gradients of (scan, policy) equal those of the unrolled model without remat (float32)."""
   reference_cfg = config("scan_layers=false", "remat_policy=none", "max_target_length=32")
@@ -159,12 +159,12 @@ def test_unrolled_remat_matches_no_remat():
 
 
 def test_cpu_compiler_options_keep_loss_and_grads():
-  """train.compiler_options' CPU tuning swaps XLA kernels, not the math: same loss and gradients."""
+  """cli.compiler_options' CPU tuning swaps XLA kernels, not the math: same loss and gradients."""
   cfg = config("max_target_length=32")
   _, params = _init(cfg)
   model, batch = models.Transformer(cfg), _batch(cfg)
   fn = jax.jit(jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
-  tuned = fn.lower(params).compile({"xla_cpu_experimental_ynn_fusion_type": train.CPU_YNN_FUSIONS})
+  tuned = fn.lower(params).compile({"xla_cpu_experimental_ynn_fusion_type": cli.CPU_YNN_FUSIONS})
   (loss, grads), (ref_loss, ref_grads) = tuned(params), fn(params)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
@@ -174,31 +174,62 @@ def test_compiler_options_only_when_a_device_has_spare_cores(monkeypatch):
   mesh_of = lambda n: jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))  # noqa: E731
   monkeypatch.setattr("os.cpu_count", lambda: 2)
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  expected = {} if jax.__version_info__ < (0, 11) else {"xla_cpu_experimental_ynn_fusion_type": train.CPU_YNN_FUSIONS}
-  assert train.compiler_options(mesh_of(1)) == expected
-  assert train.compiler_options(mesh_of(2)) == {}
+  expected = {} if jax.__version_info__ < (0, 11) else {"xla_cpu_experimental_ynn_fusion_type": cli.CPU_YNN_FUSIONS}
+  assert cli.compiler_options(mesh_of(1)) == expected
+  assert cli.compiler_options(mesh_of(2)) == {}
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
-  assert train.compiler_options(mesh_of(1)) == {}
+  assert cli.compiler_options(mesh_of(1)) == {}
 
 
-def test_tied_embeddings_share_one_table():
+def _apply_capturing(model, params, batch, module_names):
+  """(logits, {module name: its output}) of a forward pass, capturing the outputs of the named submodules."""
+  logits, state = model.apply(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_segmentation"],
+    batch["inputs_position"],
+    capture_intermediates=lambda module, method: module.name in module_names and method == "__call__",
+    mutable=["intermediates"],
+  )
+  found = {}
+  for path, value in jax.tree_util.tree_leaves_with_path(state["intermediates"]):
+    names = [getattr(k, "key", None) for k in path]
+    found.setdefault(next(n for n in reversed(names) if n in module_names), value)
+  return logits, found
+
+
+def test_tied_logits_are_the_final_hidden_states_times_the_embedding():
+  """logits_via_embedding=true: no output kernel, and logits = decoder_norm's output @ embedding^T (float64)."""
   cfg = config("logits_via_embedding=true", override_model_config="true")
   model, params = _init(cfg, batch=1)
   assert "logits_dense" not in params
-  batch = _batch(cfg, batch=1)
-  x = np.asarray(model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"]))
-  assert x.shape == (1, cfg.max_target_length, cfg.vocab_size)
+  logits, found = _apply_capturing(model, params, _batch(cfg, batch=1), {"decoder_norm"})
+  hidden = np.asarray(found["decoder_norm"], np.float64)  # [1, length, embed]
+  expected = hidden @ np.asarray(params["token_embedder"]["embedding"], np.float64).T
+  # float32 with matmul_precision=highest: a 32-term dot product is exact to a few float32 ulps.
+  np.testing.assert_allclose(np.asarray(logits, np.float64), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 def test_bf16_activations_over_fp32_weights():
-  cfg = config("dtype=bfloat16", "weight_dtype=float32")
+  """dtype=bfloat16 computes in bfloat16 (the layers' outputs are bfloat16) from float32 weights, and its logits
+  agree with a float32 forward pass on the same weights to bfloat16's precision."""
+  cfg = config("dtype=bfloat16", "weight_dtype=float32", "scan_layers=false")  # unscanned: the layers' outputs are captured
   model, params = _init(cfg, batch=1)
   assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
   batch = _batch(cfg, batch=1)
-  out = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+  out, found = _apply_capturing(model, params, batch, {"self_attention", "mlp", "decoder_norm"})
   assert out.dtype == jnp.bfloat16
-  ref = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  assert {name: jnp.dtype(x.dtype) for name, x in found.items()} == dict.fromkeys(found, jnp.dtype(jnp.bfloat16))
+  assert set(found) == {"self_attention", "mlp", "decoder_norm"}
+  ref = models.Transformer(config("dtype=float32", "scan_layers=false")).apply(
+    {"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"]
+  )
+  assert ref.dtype == jnp.float32
+  # bfloat16 keeps 8 significant bits (relative rounding 2^-9 ~ 0.2% per operation); through 2 layers the logits
+  # stay within 3% of their largest magnitude, while a wrong bfloat16 path (an overflow, a dropped scale) is off
+  # by far more.
+  error = np.abs(np.asarray(out, np.float32) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()
+  assert error < 0.03, error
 
 
 def test_dropout_is_active_only_in_training():

@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from MaxText import pyconfig, train
-from MaxText.pyconfig import ConfigError
+from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
 
 
@@ -80,8 +81,9 @@ BAD = [
   (["scan_layers=maybe"], "scan_layers"),
   (["remat_policy=sometimes"], "remat_policy"),
   (["dtype=int8"], "dtype"),
-  (["ici_tensor_parallelism=3"], "parallelism"),
-  (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "parallelism"),
+  (["ici_tensor_parallelism=3"], "ici_tensor_parallelism=3 does not divide the 8 devices"),
+  (["ici_fsdp_parallelism=3"], "ici_fsdp_parallelism=3 makes 3, not the 8 devices per slice"),
+  (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "ici_fsdp_parallelism=4 x ici_tensor_parallelism=4 makes 16"),
   (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=-1"], "num_kv_heads"),
   (["per_device_batch_size=0.1"], "per_device_batch_size"),
   (["base_num_kv_heads=3", "override_model_config=true"], "base_num_kv_heads"),
@@ -95,6 +97,7 @@ BAD = [
 
 @pytest.mark.parametrize("overrides, key", BAD, ids=[b[0][0] for b in BAD])
 def test_bad_config_exits_2_with_one_line(overrides, key, tmp_path, capsys):
+  """A mistake is one line naming the key and value (the expected text), exit code 2, nothing written."""
   argv = ["train.py", BASE_YML, "run_name=bad", "model_name=tiny", f"base_output_directory={tmp_path}/out", "jax_cache_dir="]
   argv += overrides
   assert train.main(argv) == 2
@@ -118,3 +121,42 @@ def test_missing_yml_from_the_command_line(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def _rules_with(logical: str, mesh_axes: list[str]) -> str:
+  base = pyconfig.parse([BASE_YML], env={})["logical_axis_rules"]
+  rules = [[name, mesh_axes if name == logical else list(axes)] for name, axes in base]
+  return "logical_axis_rules=" + yaml.safe_dump(rules, default_flow_style=True).strip()
+
+
+def test_batch_split_is_checked_over_the_mesh_axes_of_activation_batch_in_the_rules():
+  """4 rows over fsdp=8 do not split while activation_batch maps to fsdp; mapped to data alone (size 1) they do."""
+  with pytest.raises(ConfigError, match=r"8 shards of the mesh axes of activation_batch: fsdp=8 \(ici_fsdp_parallelism=-1"):
+    config("per_device_batch_size=0.5", num_devices=8)
+  cfg = config("per_device_batch_size=0.5", _rules_with("activation_batch", ["data"]), num_devices=8)
+  assert cfg.global_batch_size == 4
+  with pytest.raises(ConfigError, match=r"2 shards of the mesh axes of activation_batch: data=2 \(ici_data_parallelism=2"):
+    config("per_device_batch_size=0.125", "ici_data_parallelism=2", _rules_with("activation_batch", ["data"]), num_devices=8)
+
+
+def test_head_and_length_splits_name_the_parallelism_keys():
+  with pytest.raises(
+    ConfigError, match=r"num_kv_heads=2 does not split over the 4 shards .*tensor=4 \(ici_tensor_parallelism=4"
+  ):
+    config("ici_fsdp_parallelism=2", "ici_tensor_parallelism=4", num_devices=8)
+  with pytest.raises(ConfigError, match=r"max_target_length=63 .* sequence=2 \(ici_sequence_parallelism=2"):
+    config("max_target_length=63", "ici_sequence_parallelism=2", num_devices=8)
+
+
+def test_every_fixed_choice_is_listed_in_its_base_yml_comment():
+  """The valid values live with their owners (pyconfig.choices()); base.yml's comments must not fall behind.
+  decoder_block's comment points to the family registry instead, so adding a family needs no edit here."""
+  with open(BASE_YML, encoding="utf-8") as f:
+    comments = dict(line.split(":", 1) for line in f if "#" in line and not line.startswith((" ", "#")))
+  for key, valid in pyconfig.choices().items():
+    if key == "decoder_block":
+      assert "MaxText/families.py" in comments[key]
+      continue
+    comment = comments[key].split("#", 1)[1]
+    missing = [v for v in valid if (v if v else '""') not in comment]
+    assert not missing, f"base.yml's comment on {key} does not name {missing}"

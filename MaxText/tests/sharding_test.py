@@ -21,7 +21,7 @@ COMMON = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "base_outp
 
 
 def _losses(cfg, devices):
-  return np.array([loss for _, loss in train.train(cfg, devices)["losses"]])
+  return np.array([loss for _, loss in train.train(cfg, devices).losses])
 
 
 @pytest.fixture(scope="module")

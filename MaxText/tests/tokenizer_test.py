@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from MaxText import decode, train_tokenizer
+from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.pyconfig import ConfigError
 from MaxText.tests.helpers import BASE_YML, config, overrides
 
 TEXTS = [

@@ -1,0 +1,123 @@
+"""What every entry point shares: loading the config, setting JAX up, logging, and turning errors into exit codes.
+
+    def main(argv) -> int:
+      return cli.run_cli(body, argv)          # body(config) does the script's work
+
+A user mistake (`ConfigError`) is one line on stderr and exit code 2; a run that cannot go on (`TrainingError`,
+e.g. a NaN loss) is one line and exit code 1; anything else is a bug and keeps its traceback. No entry point
+imports another: what two of them need lives here or in the library modules.
+"""
+
+import logging
+import os
+import sys
+import traceback
+
+import jax
+import yaml
+
+from MaxText import checkpointing, distributed, pyconfig, sharding
+from MaxText.common_types import Config, ConfigError
+
+# XLA's CPU fusions restricted to dots and reductions; see compiler_options().
+CPU_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
+
+
+class TrainingError(RuntimeError):
+  """A run cannot go on (e.g. the loss is NaN); the message says why and what to try."""
+
+
+def configure_jax(values) -> None:
+  """Platform and persistent compilation cache; must run before the first device query."""
+  if "JAX_PLATFORMS" not in os.environ:
+    jax.config.update("jax_platforms", pyconfig.HARDWARE_PLATFORMS[values["hardware"]])
+  if values["jax_cache_dir"]:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
+    # Cache every executable: on small models compilation, not execution, dominates start-up.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def load_config(argv, writes_run_dir: bool = False) -> Config:
+  """argv `[config.yml, key=value, ...]` -> Config, after JAX is set up and a multi-process job joined.
+
+  writes_run_dir: the script writes under {base_output_directory}/{run_name}, so run_name must be given.
+  """
+  values = pyconfig.parse(argv)
+  configure_jax(values)
+  distributed.initialize(values)  # A multi-process job is joined before the first device query.
+  try:
+    devices = jax.devices()
+  except RuntimeError as e:
+    raise ConfigError(
+      f"hardware={values['hardware']}: no such JAX backend here ({str(e).splitlines()[0][:120]}); "
+      "install its jaxlib (setup.sh DEVICE=gpu) or set hardware=cpu"
+    ) from None
+  config = pyconfig.finalize(values, num_devices=len(devices), num_slices=sharding.count_slices(devices))
+  if writes_run_dir:
+    checkpointing.run_dir(config)  # Raises ConfigError for an empty run_name, before anything is written.
+  return config
+
+
+def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
+  """XLA options for compiling the train step: a measured CPU tuning, nothing on GPU or TPU.
+
+  On CPU with jax >= 0.11, when each device of this process has two or more cores, restricting XLA's
+  YNNPACK fusions to dots and reductions ran the core benchmark step 1.6x faster on one device of a 2-core
+  machine (docs/PERFORMANCE.md); with one core per device, and on jax 0.10, XLA's default was fastest.
+  A ynn setting in XLA_FLAGS wins over this one.
+  """
+  devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  cores_per_device = (os.cpu_count() or 1) // max(len(devices), 1)
+  if (
+    devices[0].platform != "cpu"
+    or jax.__version_info__ < (0, 11)
+    or cores_per_device < 2
+    or "xla_cpu_experimental_ynn_fusion_type" in os.environ.get("XLA_FLAGS", "")
+  ):
+    return {}
+  return {"xla_cpu_experimental_ynn_fusion_type": CPU_YNN_FUSIONS}
+
+
+def write_resolved_config(config: Config, directory: str) -> None:
+  """{directory}/config.yml: the config as resolved, for reproducibility (process 0 only)."""
+  if jax.process_index() == 0:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.yml"), "w", encoding="utf-8") as f:
+      yaml.safe_dump(config.as_dict(), f, sort_keys=True)
+
+
+def log(message: str) -> None:
+  """Prints on process 0 only, so a multi-process job logs once."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def run_cli(body, argv, writes_run_dir: bool = False) -> int:
+  """A script's exit code: runs body(config) for the command line `argv` (an int it returns is the exit code,
+  anything else means 0); a user mistake (ConfigError, exit 2) or a failed run (TrainingError, exit 1) is one
+  line on stderr instead of a traceback. writes_run_dir: see load_config.
+
+  In a multi-process job a failing process leaves at once, without JAX's shutdown barrier (which would wait
+  for the other processes while they wait for it in a collective): they see it gone and fail too.
+  """
+  logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
+  try:
+    code = body(load_config(argv[1:], writes_run_dir))
+    code = code if isinstance(code, int) else 0
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    code = 2
+  except TrainingError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    code = 1
+  except Exception:
+    if not jax.distributed.is_initialized():
+      raise
+    traceback.print_exc()
+    code = 1
+  if code and jax.distributed.is_initialized():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code

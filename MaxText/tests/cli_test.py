@@ -1,0 +1,114 @@
+"""cli.py: exit codes and one-line errors for each kind of failure, config loading, JAX set-up, and every entry
+point run as a file."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+import yaml
+
+from MaxText import cli
+from MaxText.common_types import ConfigError
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides
+
+ARGV = ["prog", BASE_YML, *overrides()]
+
+
+def _run(body, capsys, argv=ARGV, **kw):
+  code = cli.run_cli(body, argv, **kw)
+  return code, capsys.readouterr()
+
+
+def test_config_error_is_exit_2_and_one_line(capsys):
+  def body(config):
+    raise ConfigError(f"steps={config.steps} is wrong; try another")
+
+  code, out = _run(body, capsys)
+  assert code == 2 and out.err == "error: steps=20 is wrong; try another\n" and out.out == ""
+
+
+def test_training_error_is_exit_1_and_one_line(capsys):
+  def body(config):
+    raise cli.TrainingError("loss=nan after step 3; lower learning_rate")
+
+  code, out = _run(body, capsys)
+  assert code == 1 and out.err == "error: loss=nan after step 3; lower learning_rate\n"
+
+
+def test_a_bug_keeps_its_traceback_in_a_single_process():
+  def body(config):
+    raise KeyError("a bug")
+
+  with pytest.raises(KeyError, match="a bug"):
+    cli.run_cli(body, ARGV)
+
+
+@pytest.mark.parametrize("returned, code", [(None, 0), (0, 0), (3, 3), ({"a": "summary"}, 0)])
+def test_the_body_result_is_the_exit_code_when_it_is_an_int(returned, code, capsys):
+  assert _run(lambda config: returned, capsys)[0] == code
+
+
+def test_a_mistake_in_the_command_line_never_reaches_the_body(capsys):
+  called = []
+  code, out = _run(called.append, capsys, argv=["prog", BASE_YML, *overrides("steps=ten")])
+  assert code == 2 and not called and out.err.startswith("error: steps='ten' is not an integer")
+
+
+def test_run_name_is_demanded_only_by_scripts_that_write_a_run_directory(capsys):
+  argv = ["prog", BASE_YML, *overrides("run_name=")]
+  seen = []
+  code, out = _run(seen.append, capsys, argv=argv, writes_run_dir=True)
+  assert code == 2 and not seen and "run_name is empty" in out.err
+  assert _run(seen.append, capsys, argv=argv)[0] == 0 and seen[0].run_name == ""
+
+
+def test_configure_jax_sets_the_platform_of_the_hardware_unless_jax_platforms_is_set(monkeypatch):
+  updates = {}
+  monkeypatch.setattr(jax.config, "update", updates.__setitem__)
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  cli.configure_jax({"hardware": "gpu", "jax_cache_dir": ""})
+  assert updates == {"jax_platforms": "cuda"}
+  updates.clear()
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  cli.configure_jax({"hardware": "tpu", "jax_cache_dir": "~/cache"})
+  assert updates["jax_compilation_cache_dir"] == os.path.expanduser("~/cache") and "jax_platforms" not in updates
+
+
+def test_the_resolved_config_is_written_as_it_was_resolved(tmp_path):
+  cfg = config("steps=7", "mlp_activations=['gelu','linear']", override_model_config="true")
+  cli.write_resolved_config(cfg, str(tmp_path / "run"))
+  with open(tmp_path / "run" / "config.yml", encoding="utf-8") as f:
+    written = yaml.safe_load(f)
+  assert written == cfg.as_dict() and written["steps"] == 7 and written["mlp_activations"] == ["gelu", "linear"]
+
+
+# Every entry point, run as a file: the script path preamble (MaxText/script_path.py, and its link in tests/)
+# makes `import MaxText` work, and a config mistake is exit code 2 with one line.
+ENTRY_POINTS = [
+  "MaxText/train.py",
+  "MaxText/decode.py",
+  "MaxText/convert_hf_checkpoint.py",
+  "MaxText/convert_to_hf_checkpoint.py",
+  "MaxText/generate_param_only_checkpoint.py",
+  "MaxText/inference_microbenchmark.py",
+  "MaxText/standalone_dataloader.py",
+  "MaxText/tests/forward_pass_logit_checker.py",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_every_entry_point_runs_as_a_file_and_exits_2_on_a_config_mistake(script, tmp_path):
+  proc = subprocess.run(
+    [sys.executable, os.path.join(REPO_ROOT, script), str(tmp_path / "missing.yml")],
+    cwd=tmp_path,  # not the repository root: the script must find the package itself
+    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""},
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr
