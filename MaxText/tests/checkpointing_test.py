@@ -1,0 +1,316 @@
+"""Checkpoint rules: paths, save / restore round trips, what a run starts from, and the one-line errors."""
+
+import contextlib
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from MaxText import checkpointing, optimizers, sharding
+from MaxText import state as state_lib
+from MaxText.common_types import ConfigError
+from MaxText.layers import models
+from MaxText.tests.helpers import config
+
+MESH = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
+CHECKPOINTS = ("enable_checkpointing=true", "async_checkpointing=false")
+
+
+def _cfg(base, *args, **kw):
+  return config(*MESH, *CHECKPOINTS, f"base_output_directory={base}", *args, num_devices=4, **kw)
+
+
+@dataclasses.dataclass
+class Env:
+  cfg: object
+  mesh: object
+  model: object
+  tx: object
+  layout: state_lib.StateLayout
+  base: state_lib.TrainState  # random params and a non-zero optimizer state, step 0
+  shift: object  # jitted (state, k) -> every leaf + k
+
+  def variant(self, k: int) -> state_lib.TrainState:
+    """The base state with every leaf shifted by k (so step k): a distinct state per k, with the layout's shardings."""
+    return self.shift(self.base, jnp.int32(k))
+
+
+@pytest.fixture(scope="module")
+def env():
+  """A 4-device fsdp=2 x tensor=2 mesh; the base state is random params after one AdamW step of random gradients."""
+  cfg = _cfg("/tmp/unused", "steps=4", "learning_rate=1e-2")
+  mesh = sharding.create_mesh(cfg, jax.devices()[:4])
+  model = models.Transformer(cfg, mesh)
+  tx = optimizers.create_optimizer(cfg, optimizers.learning_rate_schedule(cfg))
+  layout = state_lib.state_layout(model, cfg, tx, mesh)
+  rng = np.random.default_rng(0)
+
+  def random_tree():
+    return jax.tree_util.tree_map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), layout.abstract.params)
+
+  state = state_lib.state_from_params(random_tree(), tx, layout)
+
+  def adam_step(s, grads):
+    updates, opt_state = tx.update(grads, s.opt_state, s.params)
+    params = jax.tree_util.tree_map(lambda p, u: p + u, s.params, updates)
+    return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+  base = jax.jit(adam_step, out_shardings=layout.shardings)(state, random_tree())
+  shift = jax.jit(lambda s, k: jax.tree_util.tree_map(lambda x: x + k.astype(x.dtype), s), out_shardings=layout.shardings)
+  return Env(cfg, mesh, model, tx, layout, base, shift)
+
+
+@contextlib.contextmanager
+def _manager(cfg):
+  manager = checkpointing.create_manager(cfg)
+  try:
+    yield manager
+  finally:
+    manager.wait_until_finished()
+    manager.close()
+
+
+def _save(cfg, state) -> bool:
+  with _manager(cfg) as manager:
+    return checkpointing.save(manager, state)
+
+
+def _start(cfg, env) -> checkpointing.StartingPoint:
+  with _manager(cfg) as manager:
+    return checkpointing.restore_or_init(cfg, manager, env.model, env.tx, env.layout)
+
+
+def _assert_trees_equal(got, want):
+  """Same structure, dtypes and bits."""
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  for (path, got_leaf), want_leaf in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True
+  ):
+    a, b = np.asarray(got_leaf), np.asarray(want_leaf)
+    assert a.dtype == b.dtype, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def _assert_layout_shardings(state, env):
+  for array, want in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(env.layout.shardings), strict=True):
+    assert array.sharding == want
+
+
+def _one_line_error(fn, *args) -> str:
+  with pytest.raises(ConfigError) as e:
+    fn(*args)
+  message = str(e.value)
+  assert "\n" not in message, message
+  return message
+
+
+@pytest.fixture(scope="module")
+def saved(env, tmp_path_factory):
+  """A float32 checkpoint of env.variant(1) (scan_layers=true): its items folder."""
+  base = tmp_path_factory.mktemp("saved")
+  cfg = _cfg(base, "run_name=saved")
+  assert _save(cfg, env.variant(1))
+  return os.path.join(checkpointing.checkpoint_dir(cfg), "1", checkpointing.ITEM)
+
+
+def test_run_dir_and_checkpoint_dir(tmp_path):
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert checkpointing.run_dir(cfg) == f"{tmp_path}/r"
+  assert checkpointing.checkpoint_dir(cfg) == f"{tmp_path}/r/checkpoints"
+  home = _cfg("~/maxtext_runs", "run_name=r")
+  assert checkpointing.run_dir(home) == os.path.join(os.path.expanduser("~"), "maxtext_runs", "r")
+  unnamed = _cfg(tmp_path, run_name="")
+  assert "run_name" in _one_line_error(checkpointing.run_dir, unnamed)
+  assert "run_name" in _one_line_error(checkpointing.checkpoint_dir, unnamed)
+
+
+def test_items_path_takes_a_step_or_items_folder_only(tmp_path):
+  items = tmp_path / "checkpoints" / "3" / "items"
+  items.mkdir(parents=True)
+  assert checkpointing.items_path("load_parameters_path", str(items.parent)) == str(items)
+  assert checkpointing.items_path("load_parameters_path", str(items)) == str(items)
+  missing = _one_line_error(checkpointing.items_path, "load_full_state_path", str(tmp_path / "nope"))
+  assert f"load_full_state_path={tmp_path}/nope does not exist" in missing
+  # What a save cut short leaves behind: Orbax's temporary folder, never renamed to its step.
+  partial = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234567" / "items"
+  partial.mkdir(parents=True)
+  for path in (partial, partial.parent):
+    assert "unfinished" in _one_line_error(checkpointing.items_path, "load_parameters_path", str(path))
+
+
+def test_latest_step_reads_numeric_folders_only(tmp_path):
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert checkpointing.latest_step(cfg) is None  # no checkpoint folder at all
+  for name in ("2", "9", "10", "abc", "12.orbax-checkpoint-tmp-5", "11_old"):
+    (tmp_path / "r" / "checkpoints" / name).mkdir(parents=True)
+  assert checkpointing.latest_step(cfg) == 10  # numerically, not by name ("9" > "10")
+
+
+def test_save_and_resume_round_trip_is_bit_exact(tmp_path, env):
+  """Steps 2 and 5 saved; a new manager resumes step 5 with the same params, optimizer state and step, placed
+  by the layout; a second save of step 5 (other params) is refused and leaves the stored one as it was."""
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert checkpointing.create_manager(cfg.replace(enable_checkpointing=False)) is None
+  s2, s5 = env.variant(2), env.variant(5)
+  assert _save(cfg, s2) and _save(cfg, s5)
+  assert not _save(cfg, s5.replace(params=jax.tree_util.tree_map(lambda p: p * 2, s5.params)))
+  assert sorted(os.listdir(checkpointing.checkpoint_dir(cfg))) == ["2", "5"]
+
+  start = _start(cfg, env)
+  assert start.resumed and start.source == f"resumed from {tmp_path}/r/checkpoints/5"
+  _assert_trees_equal(start.state, s5)
+  _assert_layout_shardings(start.state, env)
+
+
+def test_start_rules_first_match_wins(tmp_path, env):
+  """Own run's latest checkpoint > load_full_state_path > load_parameters_path > fresh init (module docstring)."""
+  full, params, own = env.variant(3), env.variant(7), env.variant(11)
+  assert _save(_cfg(tmp_path, "run_name=full"), full)
+  assert _save(_cfg(tmp_path, "run_name=params"), params)
+  assert _save(_cfg(tmp_path, "run_name=own"), own)
+  full_path = f"{tmp_path}/full/checkpoints/3"  # a step folder: items_path finds its items
+  params_path = f"{tmp_path}/params/checkpoints/7/items"
+
+  def start(run_name, **paths):
+    # pyconfig refuses both paths at once; Config.replace (no re-validation) still lets the order be checked.
+    return _start(_cfg(tmp_path, f"run_name={run_name}").replace(**paths), env)
+
+  for paths in (
+    dict(load_full_state_path=full_path, load_parameters_path=params_path),
+    dict(load_full_state_path=full_path),
+    dict(load_parameters_path=params_path),
+  ):
+    resumed = start("own", **paths)
+    assert resumed.resumed and resumed.source == f"resumed from {tmp_path}/own/checkpoints/11", paths
+    _assert_trees_equal(resumed.state, own)
+
+  for paths in (
+    dict(load_full_state_path=full_path, load_parameters_path=params_path),
+    dict(load_full_state_path=full_path),
+  ):
+    from_full = start("new1", **paths)
+    assert not from_full.resumed and from_full.source == f"full state from {full_path}/items"
+    _assert_trees_equal(from_full.state, full)
+    _assert_layout_shardings(from_full.state, env)
+
+  from_params = start("new2", load_parameters_path=params_path)
+  assert not from_params.resumed and int(from_params.state.step) == 0
+  _assert_trees_equal(from_params.state.params, params.params)
+  _assert_trees_equal(from_params.state.opt_state, env.tx.init(jax.device_get(params.params)))  # fresh optimizer
+  _assert_layout_shardings(from_params.state, env)
+
+  fresh = _start(_cfg(tmp_path, "run_name=new3", "init_weights_seed=5"), env)
+  assert not fresh.resumed and fresh.source == "fresh init (seed 5)" and int(fresh.state.step) == 0
+  _assert_trees_equal(fresh.state.opt_state, env.tx.init(jax.device_get(fresh.state.params)))
+  for other in (full, params, own):
+    assert not np.array_equal(fresh.state.params["logits_dense"]["kernel"], other.params["logits_dense"]["kernel"])
+
+
+def test_check_compatible_names_the_leaf_in_one_line(env, saved):
+  checkpointing.check_compatible(saved, env.layout.abstract)  # the state it was saved from fits
+  f32 = jax.ShapeDtypeStruct
+  extra = {"params": {**env.layout.abstract.params, "extra": f32((3,), jnp.float32)}}
+  message = _one_line_error(checkpointing.check_compatible, saved, extra)
+  assert f"checkpoint {saved} has no params.extra" in message
+  resized = {"params": {**env.layout.abstract.params, "decoder_norm": {"scale": f32((48,), jnp.float32)}}}
+  message = _one_line_error(checkpointing.check_compatible, saved, resized)
+  assert "stores params.decoder_norm.scale with shape (32,) but this config needs (48,)" in message
+
+
+def test_check_compatible_reads_only_complete_checkpoints(tmp_path, env):
+  assert "unreadable" in _one_line_error(checkpointing.check_compatible, str(tmp_path), env.layout.abstract)
+
+
+def test_scan_layers_mismatch_says_how_to_convert(tmp_path, env, saved):
+  """Stacked layers (scan_layers=true) checked against an unrolled target, and the reverse: one line naming
+  scan_layers and the way out (force_unroll=true for the unscanned copy)."""
+  unrolled_cfg = _cfg(tmp_path, "run_name=unrolled", "scan_layers=false")
+  unrolled, _ = state_lib.params_layout(models.Transformer(unrolled_cfg, env.mesh), unrolled_cfg, env.mesh)
+  assert "layers_0" in unrolled and "layers" not in unrolled
+
+  message = _one_line_error(checkpointing.check_compatible, saved, {"params": unrolled})
+  assert "stacked" in message and "scan_layers=false needs them one by one" in message
+  assert "run with scan_layers=true" in message and "force_unroll=true" in message
+  # The same check guards load_params (decoding) before anything is read.
+  loading = unrolled_cfg.replace(load_parameters_path=saved)
+  assert "force_unroll=true" in _one_line_error(checkpointing.load_params, loading, env.mesh, jnp.float32)
+
+  zeros = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), unrolled)
+  assert _save(unrolled_cfg, state_lib.TrainState(step=jnp.int32(1), params=zeros, opt_state=env.tx.init(zeros)))
+  path = os.path.join(checkpointing.checkpoint_dir(unrolled_cfg), "1", checkpointing.ITEM)
+  message = _one_line_error(checkpointing.check_compatible, path, {"params": env.layout.abstract.params})
+  assert "one by one" in message and "scan_layers=true needs them stacked" in message
+  assert "run with scan_layers=false" in message
+
+
+def test_restore_host_params_keeps_the_stored_dtype(tmp_path, env):
+  """bfloat16 params restored for a float32 target: host numpy arrays, still bfloat16, the saved bits."""
+  params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), env.variant(4).params)
+  stored = state_lib.TrainState(step=jnp.int32(4), params=params, opt_state=env.tx.init(params))
+  cfg = _cfg(tmp_path, "run_name=bf16")
+  assert _save(cfg, stored)
+  path = f"{tmp_path}/bf16/checkpoints/4/items"
+  got, where = checkpointing.restore_host_params(cfg.replace(load_parameters_path=path), env.layout.abstract.params)
+  assert where == path
+  assert all(type(leaf) is np.ndarray for leaf in jax.tree_util.tree_leaves(got))
+  _assert_trees_equal(got, jax.device_get(params))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_load_params_is_sharded_and_cast(tmp_path, env, saved, dtype):
+  """load_params: params_layout's shardings, `dtype`, and the saved values cast by numpy (round to nearest
+  even in both, so bit-exact)."""
+  cfg = _cfg(tmp_path, "run_name=decode", f"load_parameters_path={saved}")
+  got, where = checkpointing.load_params(cfg, env.mesh, dtype)
+  assert where == saved
+  _, shardings = state_lib.params_layout(env.model, cfg, env.mesh)
+  for array, want in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(shardings), strict=True):
+    assert array.sharding == want
+  numpy_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
+  _assert_trees_equal(got, jax.tree_util.tree_map(lambda p: np.asarray(p).astype(numpy_dtype), env.variant(1).params))
+
+
+def test_params_path_rules(tmp_path):
+  items = tmp_path / "src" / "checkpoints" / "3" / "items"
+  items.mkdir(parents=True)
+  other = tmp_path / "other" / "checkpoints" / "8" / "items"
+  other.mkdir(parents=True)
+  given = f"load_parameters_path={items.parent}"
+  assert checkpointing.params_path(_cfg(tmp_path, "run_name=x", given)) == str(items)
+  full = f"load_full_state_path={other}"
+  assert checkpointing.params_path(_cfg(tmp_path, "run_name=x", full)) == str(other)
+  # pyconfig refuses both at once (checked with Config.replace, which does not re-validate): params first.
+  both = _cfg(tmp_path, "run_name=x", given).replace(load_full_state_path=str(other))
+  assert checkpointing.params_path(both) == str(items)
+  missing = _cfg(tmp_path, "run_name=x", f"load_parameters_path={tmp_path}/none")
+  assert "load_parameters_path=" in _one_line_error(checkpointing.params_path, missing)
+
+  nothing = _one_line_error(checkpointing.params_path, _cfg(tmp_path, run_name=""))
+  assert "no parameters to load" in nothing and "load_parameters_path" in nothing
+  assert "run_name=x has no checkpoint" in _one_line_error(checkpointing.params_path, _cfg(tmp_path, "run_name=x"))
+  for step in ("4", "12", "12.orbax-checkpoint-tmp-9", "9"):
+    (tmp_path / "run" / "checkpoints" / step / "items").mkdir(parents=True)
+  assert checkpointing.params_path(_cfg(tmp_path, "run_name=run")) == f"{tmp_path}/run/checkpoints/12/items"
+
+
+class _ManagerThatWouldStop:
+  """A stand-in manager whose preemption flag is set: only a multi-process job may consult it."""
+
+  def __init__(self):
+    self.asked = []
+
+  def reached_preemption(self, step):
+    self.asked.append(step)
+    return True
+
+
+def test_reached_preemption_only_in_a_multi_process_job():
+  assert not jax.distributed.is_initialized()  # this test process is a single-process job
+  assert checkpointing.reached_preemption(None, 3) is False
+  manager = _ManagerThatWouldStop()
+  assert checkpointing.reached_preemption(manager, 3) is False
+  assert manager.asked == []
