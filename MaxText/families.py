@@ -35,6 +35,8 @@ def no_derived_keys(values: Mapping[str, Any]) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+  """A model family: its layer, its config checks and derived keys, its Hugging Face mapping."""
+
   name: str  # the decoder_block value
   layer: type[nn.Module]  # the decoder layer: x [batch, length, embed] -> (x, kv); see layers/llama.py
   hf: hf_families.HFMapping | None = None  # the Hugging Face mapping; None: no import or export

@@ -9,37 +9,22 @@ alternate local sliding-window attention (even layers, window sliding_window_siz
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
-from MaxText import common_types as ct
-from MaxText import sharding
 from MaxText.layers.llama import LlamaDecoderLayer
 
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
-  """x [batch, length, embed] -> (x, kv), as LlamaDecoderLayer; sandwich norms around attention and MLP."""
+  """Llama's layer (see there) with sandwich norms around attention and MLP, and alternating local layers."""
 
   norm_scale_offset = 1.0
   scale_embeddings = True
+  pre_mlp_norm_name = "pre_ffw_norm"
 
   def sliding_window(self, layer_index) -> jax.Array:
     return jnp.where(jnp.asarray(layer_index) % 2 == 0, self.config.sliding_window_size, 0)
 
-  @nn.compact
-  def __call__(self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, layer_index=0):
-    cfg = self.config
-    act_axes = (ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
-    x = sharding.constrain(x, act_axes, self.mesh, cfg)
-    dropout = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))
+  def after_attention(self, h: jax.Array) -> jax.Array:
+    return self.norm(self.config, "post_self_attention_norm")(h)
 
-    h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
-    window = self.sliding_window(layer_index)
-    h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions, window)
-    h = self.norm(cfg, "post_self_attention_norm")(h)
-    x = x + dropout(h, deterministic=self.deterministic)
-
-    h = self.norm(cfg, "pre_ffw_norm")(x)
-    h = self.mlp()(h)
-    h = self.norm(cfg, "post_ffw_norm")(h)
-    x = x + dropout(h, deterministic=self.deterministic)
-    return sharding.constrain(x, act_axes, self.mesh, cfg), kv
+  def after_mlp(self, h: jax.Array) -> jax.Array:
+    return self.norm(self.config, "post_ffw_norm")(h)

@@ -1,8 +1,8 @@
 """The Llama 2/3 decoder layer (Touvron et al. 2023): pre-norm attention and SwiGLU MLP, residuals.
 
-Mistral, Gemma, Qwen 3 and GPT-3 share its structure and subclass it (mistral.py, gemma.py, qwen3.py, gpt3.py):
-they change the class attributes and the norm, sliding_window, attention and mlp methods below. Gemma 2
-(gemma2.py) also has a call of its own, for its extra norms.
+Mistral, Gemma, Gemma 2, Qwen 3 and GPT-3 share its structure and subclass it (mistral.py, gemma.py, gemma2.py,
+qwen3.py, gpt3.py): they change the class attributes and the hooks below (norm, sliding_window, attention, mlp,
+and after_attention / after_mlp for Gemma 2's extra norms), never the call itself.
 """
 
 from typing import ClassVar
@@ -35,6 +35,7 @@ class LlamaDecoderLayer(nn.Module):
   norm_scale_offset: ClassVar[float] = 0.0  # Gemma: RMSNorm weights are stored as an offset from 1.
   scale_embeddings: ClassVar[bool] = False  # Gemma: token embeddings are multiplied by sqrt(emb_dim).
   qk_norm: ClassVar[bool] = False  # Qwen 3: RMSNorm of each query and key head.
+  pre_mlp_norm_name: ClassVar[str] = "post_self_attention_layer_norm"  # Gemma 2: pre_ffw_norm.
 
   @classmethod
   def norm(cls, config: Config, name: str) -> nn.Module:
@@ -51,6 +52,14 @@ class LlamaDecoderLayer(nn.Module):
   def mlp(self) -> MlpBlock:
     return MlpBlock(self.config, self.mesh, name="mlp")
 
+  def after_attention(self, h: jax.Array) -> jax.Array:
+    """The attention's output before it joins the residual stream (Gemma 2 normalises it)."""
+    return h
+
+  def after_mlp(self, h: jax.Array) -> jax.Array:
+    """The MLP's output before it joins the residual stream (Gemma 2 normalises it)."""
+    return h
+
   @nn.compact
   def __call__(
     self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, layer_index=0
@@ -63,9 +72,9 @@ class LlamaDecoderLayer(nn.Module):
     h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
     window = self.sliding_window(layer_index)
     h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions, window)
-    x = x + dropout(h, deterministic=self.deterministic)
+    x = x + dropout(self.after_attention(h), deterministic=self.deterministic)
 
-    h = self.norm(cfg, "post_self_attention_layer_norm")(x)
+    h = self.norm(cfg, self.pre_mlp_norm_name)(x)
     h = self.mlp()(h)
-    x = x + dropout(h, deterministic=self.deterministic)
+    x = x + dropout(self.after_mlp(h), deterministic=self.deterministic)
     return sharding.constrain(x, act_axes, self.mesh, cfg), kv

@@ -14,7 +14,7 @@ from MaxText import checkpointing, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
-from MaxText.tests.helpers import config
+from MaxText.tests.helpers import assert_trees_equal, config
 
 MESH = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
 CHECKPOINTS = ("enable_checkpointing=true", "async_checkpointing=false")
@@ -84,17 +84,6 @@ def _start(cfg, env) -> checkpointing.StartingPoint:
     return checkpointing.restore_or_init(cfg, manager, env.model, env.tx, env.layout)
 
 
-def _assert_trees_equal(got, want):
-  """Same structure, dtypes and bits."""
-  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-  for (path, got_leaf), want_leaf in zip(
-    jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True
-  ):
-    a, b = np.asarray(got_leaf), np.asarray(want_leaf)
-    assert a.dtype == b.dtype, jax.tree_util.keystr(path)
-    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
-
-
 def _assert_layout_shardings(state, env):
   for array, want in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(env.layout.shardings), strict=True):
     assert array.sharding == want
@@ -162,7 +151,7 @@ def test_save_and_resume_round_trip_is_bit_exact(tmp_path, env):
 
   start = _start(cfg, env)
   assert start.resumed and start.source == f"resumed from {tmp_path}/r/checkpoints/5"
-  _assert_trees_equal(start.state, s5)
+  assert_trees_equal(start.state, s5)
   _assert_layout_shardings(start.state, env)
 
 
@@ -186,7 +175,7 @@ def test_start_rules_first_match_wins(tmp_path, env):
   ):
     resumed = start("own", **paths)
     assert resumed.resumed and resumed.source == f"resumed from {tmp_path}/own/checkpoints/11", paths
-    _assert_trees_equal(resumed.state, own)
+    assert_trees_equal(resumed.state, own)
 
   for paths in (
     dict(load_full_state_path=full_path, load_parameters_path=params_path),
@@ -194,18 +183,18 @@ def test_start_rules_first_match_wins(tmp_path, env):
   ):
     from_full = start("new1", **paths)
     assert not from_full.resumed and from_full.source == f"full state from {full_path}/items"
-    _assert_trees_equal(from_full.state, full)
+    assert_trees_equal(from_full.state, full)
     _assert_layout_shardings(from_full.state, env)
 
   from_params = start("new2", load_parameters_path=params_path)
   assert not from_params.resumed and int(from_params.state.step) == 0
-  _assert_trees_equal(from_params.state.params, params.params)
-  _assert_trees_equal(from_params.state.opt_state, env.tx.init(jax.device_get(params.params)))  # fresh optimizer
+  assert_trees_equal(from_params.state.params, params.params)
+  assert_trees_equal(from_params.state.opt_state, env.tx.init(jax.device_get(params.params)))  # fresh optimizer
   _assert_layout_shardings(from_params.state, env)
 
   fresh = _start(_cfg(tmp_path, "run_name=new3", "init_weights_seed=5"), env)
   assert not fresh.resumed and fresh.source == "fresh init (seed 5)" and int(fresh.state.step) == 0
-  _assert_trees_equal(fresh.state.opt_state, env.tx.init(jax.device_get(fresh.state.params)))
+  assert_trees_equal(fresh.state.opt_state, env.tx.init(jax.device_get(fresh.state.params)))
   for other in (full, params, own):
     assert not np.array_equal(fresh.state.params["logits_dense"]["kernel"], other.params["logits_dense"]["kernel"])
 
@@ -257,7 +246,7 @@ def test_restore_host_params_keeps_the_stored_dtype(tmp_path, env):
   got, where = checkpointing.restore_host_params(cfg.replace(load_parameters_path=path), env.layout.abstract.params)
   assert where == path
   assert all(type(leaf) is np.ndarray for leaf in jax.tree_util.tree_leaves(got))
-  _assert_trees_equal(got, jax.device_get(params))
+  assert_trees_equal(got, jax.device_get(params))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -271,7 +260,7 @@ def test_load_params_is_sharded_and_cast(tmp_path, env, saved, dtype):
   for array, want in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(shardings), strict=True):
     assert array.sharding == want
   numpy_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
-  _assert_trees_equal(got, jax.tree_util.tree_map(lambda p: np.asarray(p).astype(numpy_dtype), env.variant(1).params))
+  assert_trees_equal(got, jax.tree_util.tree_map(lambda p: np.asarray(p).astype(numpy_dtype), env.variant(1).params))
 
 
 def test_params_path_rules(tmp_path):

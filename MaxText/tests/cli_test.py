@@ -2,7 +2,6 @@
 point run as a file."""
 
 import os
-import subprocess
 import sys
 
 import jax
@@ -11,7 +10,7 @@ import yaml
 
 from MaxText import cli
 from MaxText.common_types import ConfigError
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides, run
 
 ARGV = ["prog", BASE_YML, *overrides()]
 
@@ -101,14 +100,8 @@ ENTRY_POINTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_every_entry_point_runs_as_a_file_and_exits_2_on_a_config_mistake(script, tmp_path):
-  proc = subprocess.run(
-    [sys.executable, os.path.join(REPO_ROOT, script), str(tmp_path / "missing.yml")],
-    cwd=tmp_path,  # not the repository root: the script must find the package itself
-    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""},
-    capture_output=True,
-    text=True,
-    timeout=120,
-    check=False,
-  )
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""}
+  # Run from tmp_path, not the repository root: the script must find the package itself.
+  proc = run([sys.executable, os.path.join(REPO_ROOT, script), str(tmp_path / "missing.yml")], env, 120, cwd=tmp_path)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr

@@ -27,16 +27,25 @@ def trained(tmp_path_factory):
   train.train(cfg, jax.devices()[:1])
   items = os.path.join(root, "test", "checkpoints", "3", "items")
   hf = str(root / "hf")
-  argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}", f"hf_model_path={hf}"]
+  # No run_name: the export writes only to hf_model_path.
+  argv = ["export", BASE_YML, "model_name=tiny", f"load_full_state_path={items}", f"hf_model_path={hf}", "jax_cache_dir="]
   assert convert_to_hf_checkpoint.main(argv) == 0
   return root, items, hf
 
 
 def _import(hf, out, run_name="imported"):
-  argv = ["convert", BASE_YML, f"hf_model_path={hf}", f"base_output_directory={out}", f"run_name={run_name}"]
+  argv = [
+    "convert",
+    BASE_YML,
+    f"hf_model_path={hf}",
+    f"base_output_directory={out}",
+    f"run_name={run_name}",
+    "jax_cache_dir=",
+  ]
   return convert_hf_checkpoint.main(argv)
 
 
+@pytest.mark.slow
 def test_trained_then_exported_checkpoint_trains_on_with_the_same_losses(trained, tmp_path):
   """Training from the imported export gives bit-identical losses to training from the original params."""
   root, items, hf = trained
@@ -126,7 +135,7 @@ def test_export_refuses_a_non_empty_folder(trained, tmp_path, capsys):
   _, items, _ = trained
   (tmp_path / "taken").mkdir()
   (tmp_path / "taken" / "keep.txt").write_text("mine")
-  argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}"]
+  argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}", "jax_cache_dir="]
   assert convert_to_hf_checkpoint.main([*argv, f"hf_model_path={tmp_path / 'taken'}"]) == 2
   assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 

@@ -171,6 +171,7 @@ def log_tail(out_dir, name) -> str:
     return "".join(line for line in f.readlines()[-15:] if not line.startswith("[Gloo]"))
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_path):
   """2 processes x 4 devices (fsdp across processes) = 1 process x 8 devices, step for step; the job's
   checkpoint (written through Orbax by both processes) then resumes in a single process."""
@@ -211,6 +212,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
   assert printed[0] == printed[2] and len(printed[0]) == 1 and printed[1] == []
 
 
+@pytest.mark.slow
 def test_a_killed_process_takes_the_job_down(tmp_path):
   """kill -9 of one process: the other fails too (non-zero) within a bounded time instead of hanging."""
   out = str(tmp_path)
@@ -235,6 +237,7 @@ def test_a_killed_process_takes_the_job_down(tmp_path):
   assert time.time() - killed < 60
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_checkpoints_the_whole_job_at_one_step(tmp_path):
   """A preemption notice (SIGTERM) to any process: all stop after the same step, save it, and exit non-zero."""
   out = str(tmp_path)
@@ -257,6 +260,7 @@ def test_sigterm_to_one_process_checkpoints_the_whole_job_at_one_step(tmp_path):
     assert f"checkpoint {saved[0]} is saved: run the same command again to resume" in log_tail(out, f"term_{i}")
 
 
+@pytest.mark.slow
 def test_processes_that_do_not_share_the_output_folder_stop_before_training(tmp_path):
   """Each process would write its checkpoint shards where the others never look: a config error on all."""
   port = free_port()

@@ -3,6 +3,10 @@
 import json
 import os
 import socket
+import subprocess
+
+import jax
+import numpy as np
 
 from MaxText import pyconfig
 
@@ -32,6 +36,22 @@ def overrides(*args, **kw) -> list[str]:
 def config(*args, num_devices=1, **kw):
   """A Config of the tiny test model with `key=value` overrides."""
   return pyconfig.load([BASE_YML, *overrides(*args, **kw)], num_devices=num_devices, env={})
+
+
+def run(args, env, timeout=300, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+  """Runs a command to completion, capturing its output as text; never raises for a non-zero exit code."""
+  return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def assert_trees_equal(got, want):
+  """Same structure, dtypes and bits."""
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  for (path, got_leaf), want_leaf in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True
+  ):
+    a, b = np.asarray(got_leaf), np.asarray(want_leaf)
+    assert a.dtype == b.dtype, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def free_port() -> int:

@@ -71,7 +71,14 @@ def save_random(family: str, folder: str, max_shard_size: str | None = None):
 
 
 def import_hf(folder: str, out: str, scan: str = "true") -> str:
-  argv = ["convert", BASE_YML, f"hf_model_path={folder}", f"base_output_directory={out}", "run_name=imported"]
+  argv = [
+    "convert",
+    BASE_YML,
+    f"hf_model_path={folder}",
+    f"base_output_directory={out}",
+    "run_name=imported",
+    "jax_cache_dir=",
+  ]
   assert convert_hf_checkpoint.main([*argv, f"scan_layers={scan}"]) == 0
   return os.path.join(out, "imported", "checkpoints", "0")
 
@@ -158,7 +165,10 @@ def test_import_matches_transformers_and_export_round_trips(family, tmp_path):
 
 
 def _keys(cfg):
-  return [f"{k}={getattr(cfg, k)}" for k in ("model_name", "load_parameters_path", "scan_layers")] + ["run_name=export"]
+  return [f"{k}={getattr(cfg, k)}" for k in ("model_name", "load_parameters_path", "scan_layers")] + [
+    "run_name=export",
+    "jax_cache_dir=",
+  ]
 
 
 def read_safetensors(folder):
@@ -186,7 +196,7 @@ def test_bfloat16_round_trip_is_bit_exact(tmp_path):
   model = save_random("gemma2", hf_dir)
   model.to(torch.bfloat16).save_pretrained(hf_dir)
   out = str(tmp_path / "out")
-  argv = ["convert", BASE_YML, f"hf_model_path={hf_dir}", f"base_output_directory={out}", "run_name=bf16"]
+  argv = ["convert", BASE_YML, f"hf_model_path={hf_dir}", f"base_output_directory={out}", "run_name=bf16", "jax_cache_dir="]
   assert convert_hf_checkpoint.main([*argv, "weight_dtype=bfloat16"]) == 0
   ckpt = os.path.join(out, "bf16", "checkpoints", "0")
   cfg = our_config(ckpt, "weight_dtype=bfloat16")

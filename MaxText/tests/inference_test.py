@@ -108,7 +108,9 @@ def _logits(vocab=50, rows=4, seed=0):
 
 
 def _draws(logits, sampling, n=200):
-  return np.stack([np.asarray(sample(logits, jax.random.key(i), sampling)) for i in range(n)])  # [n, rows]
+  """[n, rows]: draw i with jax.random.key(i), all n in one compiled call."""
+  keys = jax.vmap(jax.random.key)(jnp.arange(n))
+  return np.asarray(jax.jit(jax.vmap(lambda key: sample(logits, key, sampling)))(keys))
 
 
 def test_temperature_to_zero_is_greedy():
@@ -220,6 +222,7 @@ def _run(main, args, capsys):
   return code, out, err
 
 
+@pytest.mark.slow
 def test_cli_decodes_from_run_and_from_unrolled_params_only_checkpoint(trained, capsys):
   root, args = trained
   code, out, err = _run(decode.main, (*args, "run_name=run", "prompt=The sun"), capsys)

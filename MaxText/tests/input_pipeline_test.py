@@ -12,7 +12,7 @@ import pytest
 
 from MaxText import train_tokenizer
 from MaxText.input_pipeline import text_pipeline
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, metrics_losses
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, metrics_losses, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 
@@ -156,10 +156,11 @@ def _run(tmp_path, *args, wait=True):
   if not wait:
     log = open(f"{tmp_path}/background.log", "w", encoding="utf-8")  # noqa: SIM115 (closed by the caller's wait)
     return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-  proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+  proc = run(cmd, env)
   return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_grain_kill_9_and_resume_sees_the_same_batches(tmp_path, text_data):
   run = ("steps=60", "checkpoint_period=10", "log_period=1", "enable_checkpointing=true", "eval_interval=30")
   rc, _, err = _run(tmp_path, *_grain_args(text_data, "run_name=straight", *run, f"metrics_file={tmp_path}/s.jsonl"))
@@ -190,6 +191,7 @@ def test_grain_kill_9_and_resume_sees_the_same_batches(tmp_path, text_data):
   assert evals[1]["eval/perplexity"] == pytest.approx(np.exp(evals[1]["eval/avg_loss"]), rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "change, message",
   [
@@ -218,6 +220,7 @@ def _first_batch(cfg):
   return {k: np.asarray(v) for k, v in next(input_pipeline.create_iterator(cfg, mesh)).items()}
 
 
+@pytest.mark.slow
 def test_grain_tfds_and_hf_sources_give_the_same_batches(tmp_path, text_data):
   """The demo corpus read as ArrayRecord files, as a TFDS data source and as Hugging Face json lines."""
   from MaxText import build_demo_dataset
@@ -268,6 +271,7 @@ def _assert_resumes_exactly(cfg, after=3):
       np.testing.assert_array_equal(got[key], want[key], err_msg=f"{cfg.dataset_type}: {key}")
 
 
+@pytest.mark.slow
 def test_resume_without_this_process_data_state_exits_2(tmp_path, text_data):
   args = _grain_args(text_data, "run_name=r", "steps=2", "checkpoint_period=2", "enable_checkpointing=true")
   rc, _, err = _run(tmp_path, *args)

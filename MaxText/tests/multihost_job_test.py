@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import REPO_ROOT, metrics_losses
+from MaxText.tests.helpers import REPO_ROOT, metrics_losses, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 FAKE_BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cloud")
@@ -133,6 +133,7 @@ def _no_pwned_file(*folders):
       assert not [n for n in files + dirs if n.startswith("pwned")], f"an injected command ran in {folder}"
 
 
+@pytest.mark.slow
 def test_two_slices_train_like_one_process_of_8_devices(cloud, tmp_path):
   """2 slices x 1 worker x 4 CPU devices form one 2-process JAX job: its losses are those of one process with 8
   devices (float32, rtol 1e-5: the same math, summed in another order), the logs reach the bucket, and worker 0
@@ -143,15 +144,7 @@ def test_two_slices_train_like_one_process_of_8_devices(cloud, tmp_path):
   env = {**cloud.env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   # One process, 8 devices, the data x fsdp mesh that 2 slices of 4 devices make with dcn_data_parallelism=2.
   # A worker training alone (4 devices, half the batch) would see losses 0.1-1.5% away from these.
-  single = subprocess.run(
-    [*train, f"base_output_directory={tmp_path}", "ici_data_parallelism=2", f"metrics_file={reference}"],
-    cwd=REPO_ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  single = run([*train, f"base_output_directory={tmp_path}", "ici_data_parallelism=2", f"metrics_file={reference}"], env)
   assert single.returncode == 0, single.stderr
 
   code = tmp_path / "code"
@@ -184,6 +177,7 @@ def test_two_slices_train_like_one_process_of_8_devices(cloud, tmp_path):
   assert cloud.run(*QR, "list", f"--project={PROJECT}", f"--zone={ZONE}").stdout == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_slices", [1, 2])
 def test_every_worker_runs_with_the_tpu_runtime_env_and_awkward_paths_stay_data(cloud, tmp_path, num_slices):
   """v4-16 has 2 hosts a slice. A SCRIPT_DIR and BUCKET_DIR full of quotes, `;`, `$(...)` and backquotes work and
@@ -223,6 +217,7 @@ def test_every_worker_runs_with_the_tpu_runtime_env_and_awkward_paths_stay_data(
   _no_pwned_file(tmp_path, REPO_ROOT)
 
 
+@pytest.mark.slow
 def test_stop_command_ends_a_running_job_and_a_second_create_is_refused(cloud, tmp_path):
   """The Watch and Stop commands multihost_job.py prints work: delete ends workers still running."""
   code = tmp_path / "code"

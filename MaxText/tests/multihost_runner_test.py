@@ -21,6 +21,7 @@ import pytest
 
 from MaxText.tests.helpers import REPO_ROOT, free_port, metrics_losses
 from MaxText.tests.helpers import overrides as overrides_of
+from MaxText.tests.helpers import run as run_command
 
 RUNNER = os.path.join(REPO_ROOT, "multihost_runner.py")
 SSHD = "/usr/sbin/sshd"
@@ -172,6 +173,7 @@ def _worker_command(args: list[str]) -> str:
   return "XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu " + shlex.join([sys.executable, *args])
 
 
+@pytest.mark.slow
 def test_two_hosts_train_as_one_job_with_the_losses_of_one_process(sshd, tmp_path):
   """Two workers over ssh are one 8-device JAX job, data parallel across the processes (dcn_data_parallelism=2): the
   same float32 losses as one process of 8 devices with the same mesh inside it (ici_data_parallelism=2).
@@ -199,15 +201,8 @@ def test_two_hosts_train_as_one_job_with_the_losses_of_one_process(sshd, tmp_pat
   env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   single = tmp_path / "single.jsonl"
-  reference = subprocess.run(
-    [sys.executable, *_train_args(tmp_path, "one_process", single, "steps=4", "ici_data_parallelism=2")],
-    cwd=REPO_ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=False,
-  )
+  one_process = _train_args(tmp_path, "one_process", single, "steps=4", "ici_data_parallelism=2")
+  reference = run_command([sys.executable, *one_process], env, 240)
   assert reference.returncode == 0, reference.stderr[-3000:]
 
   one, two = metrics_losses(single), metrics_losses(multi)
@@ -224,6 +219,7 @@ def test_two_hosts_train_as_one_job_with_the_losses_of_one_process(sshd, tmp_pat
   assert "completed step: 3" in log_0 and "mesh {'data': 2, 'stage': 1, 'fsdp': 4," in log_0
 
 
+@pytest.mark.slow
 def test_killing_a_worker_stops_the_job_names_it_and_leaves_nothing(sshd, tmp_path):
   """SIGKILL to worker 1's python mid-run: the runner stops worker 0, names worker 1 and exits 1 within 60 s."""
   token = f"killrun{os.getpid()}x{time.time_ns()}"
@@ -303,6 +299,7 @@ def _sleeping_job(sshd, tmp_path, token: str, *flags: str):
     return subprocess.Popen(argv, stdout=out, stderr=err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
 def test_stopping_the_runner_stops_every_worker(sshd, tmp_path, how):
   """SIGTERM or Ctrl-C: the runner stops the workers and exits 128+signal; SIGKILL: its ssh connections' stdin
@@ -326,6 +323,7 @@ def test_stopping_the_runner_stops_every_worker(sshd, tmp_path, how):
   assert_nothing_left(token)
 
 
+@pytest.mark.slow
 def test_a_silent_worker_is_detected_by_keepalives(sshd, tmp_path):
   """A worker that stops answering (its sshd session frozen by SIGSTOP) fails the job after ~3 keep-alives."""
   token = f"silentrun{time.time_ns()}"
@@ -367,6 +365,7 @@ def _markers(root) -> list[str]:
   return found + [p for p in ["/tmp/PWNED", *(os.path.join(home, m) for m in MARKERS)] if os.path.exists(p)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_name", NASTY_RUN_NAMES)
 def test_names_with_spaces_quotes_and_semicolons_are_data_not_code(sshd, tmp_path, run_name):
   """RUN_NAME, SCRIPT_DIR and REMOTE_DIR with shell syntax in them are passed literally, never run."""
@@ -398,6 +397,7 @@ def test_names_with_spaces_quotes_and_semicolons_are_data_not_code(sshd, tmp_pat
     assert (tmp_path / run_name / f"worker_{i}.log").read_text().endswith("hello\n")
 
 
+@pytest.mark.slow
 def test_a_hostfile_with_users_and_comments(sshd, tmp_path):
   """--HOSTFILE: one host a line, `#` comments and extra words ignored; `user@host` wins over --SSH_USER (here a
   user that does not exist), and the coordinator address is worker 0's host without the user."""
@@ -425,6 +425,7 @@ def test_a_hostfile_with_users_and_comments(sshd, tmp_path):
     assert f"[worker {i}] {user} 127.0.0.1:{port}\n" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_new_copy_replaces_the_old_one_and_use_existing_folder_reuses_it(sshd, tmp_path):
   """Four workers on one file system (each address twice) race to put the copy in place: one complete copy wins,
   an older copy's files are gone, no temporary folder is left; --USE_EXISTING_FOLDER runs in it without copying."""
@@ -458,6 +459,7 @@ def test_a_new_copy_replaces_the_old_one_and_use_existing_folder_reuses_it(sshd,
   assert all(f"[worker {i}] 2\n" in reuse.stdout for i in range(2))
 
 
+@pytest.mark.slow
 def test_a_failing_worker_stops_the_others_and_its_log_tail_is_shown(sshd, tmp_path):
   """Worker 1 exits 7 while worker 0 ignores SIGTERM: worker 0 is killed after STOP_GRACE and stderr names worker 1."""
   token = f"failrun{time.time_ns()}"
@@ -519,6 +521,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, case):
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_use_existing_folder_without_one_is_a_user_error(sshd, tmp_path):
   run_name = NASTY_RUN_NAMES[1]
   result = run(

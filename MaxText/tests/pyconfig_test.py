@@ -1,15 +1,13 @@
 """Config parsing: precedence, types, presets, derived values, and one-line errors for bad input."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from MaxText import pyconfig, train
 from MaxText.common_types import ConfigError
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
+from MaxText.tests.helpers import BASE_YML, config
 
 
 def test_overrides_are_typed_and_frozen():
@@ -104,23 +102,6 @@ def test_bad_config_exits_2_with_one_line(overrides, key, tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith("error: ") and key in err, err
   assert not os.path.exists(tmp_path / "out"), "a rejected config must not create anything"
-
-
-def test_missing_yml_from_the_command_line(tmp_path):
-  """A real process: exit code 2, one line on stderr, no traceback."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run(
-    [sys.executable, "MaxText/train.py", str(tmp_path / "missing.yml"), "run_name=x"],
-    cwd=REPO_ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env=env,
-    check=False,
-  )
-  assert proc.returncode == 2
-  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr
-  assert "Traceback" not in proc.stderr
 
 
 def _rules_with(logical: str, mesh_axes: list[str]) -> str:

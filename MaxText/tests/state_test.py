@@ -11,7 +11,7 @@ from flax import linen as nn
 from MaxText import optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.layers import models
-from MaxText.tests.helpers import config
+from MaxText.tests.helpers import assert_trees_equal, config
 
 MESH = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
 
@@ -42,16 +42,6 @@ def _plain_params(cfg, seeds):
   init = jax.jit(lambda k: model.init({"params": k, "dropout": k}, *models.init_inputs(1, cfg.max_target_length)))
   with jax.default_device(jax.devices()[0]):
     return [jax.device_get(nn.meta.unbox(init(jax.random.key(seed)))["params"]) for seed in seeds]
-
-
-def _assert_trees_equal(got, want):
-  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-  for (path, got_leaf), want_leaf in zip(
-    jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True
-  ):
-    a, b = np.asarray(got_leaf), np.asarray(want_leaf)
-    assert a.dtype == b.dtype, jax.tree_util.keystr(path)
-    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def test_state_layout_is_the_created_state(seed0):
@@ -97,12 +87,12 @@ def test_init_state_is_a_function_of_the_seed(seed0):
   every random weight (norm scales start at 1 for both)."""
   cfg, tx, state0 = seed0.cfg, seed0.tx, seed0.state
   plain0, plain1 = _plain_params(cfg, (0, 1))
-  _assert_trees_equal(state0.params, plain0)
+  assert_trees_equal(state0.params, plain0)
   assert int(state0.step) == 0
-  _assert_trees_equal(state0.opt_state, tx.init(plain0))
+  assert_trees_equal(state0.opt_state, tx.init(plain0))
 
   state1 = state_lib.init_state(seed0.model, cfg.replace(init_weights_seed=1), tx, seed0.layout)
-  _assert_trees_equal(state1.params, plain1)
+  assert_trees_equal(state1.params, plain1)
   leaves0, leaves1 = jax.tree_util.tree_leaves_with_path(state0.params), jax.tree_util.tree_leaves(state1.params)
   for (path, leaf0), leaf1 in zip(leaves0, leaves1, strict=True):
     name = jax.tree_util.keystr(path)
@@ -122,7 +112,7 @@ def test_state_from_params_keeps_them_bit_for_bit(seed0):
   params = jax.tree_util.tree_map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), layout.abstract.params)
   state = state_lib.state_from_params(params, tx, layout)
   assert int(state.step) == 0 and state.step.dtype == np.int32
-  _assert_trees_equal(state.params, params)
-  _assert_trees_equal(state.opt_state, tx.init(params))
+  assert_trees_equal(state.params, params)
+  assert_trees_equal(state.opt_state, tx.init(params))
   for array, want in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(layout.shardings), strict=True):
     assert array.sharding == want

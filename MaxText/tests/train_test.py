@@ -10,9 +10,10 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from MaxText import train
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 
@@ -55,6 +56,7 @@ def _metrics(path):
 KILL_RUN = ("max_target_length=128", "per_device_batch_size=4", "steps=120", "checkpoint_period=10", "log_period=1")
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
   rc, _, err = _run_cli(tmp_path, "run_name=straight", *KILL_RUN, f"metrics_file={tmp_path}/straight.jsonl")
   assert rc == 0, err
@@ -92,6 +94,7 @@ def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert m["learning/loss"] == straight[m["step"]], f"step {m['step']} differs after resume"
 
 
+@pytest.mark.slow
 def test_interrupted_save_is_never_taken_as_a_checkpoint(tmp_path):
   rc, _, err = _run_cli(tmp_path, "run_name=r", "steps=4", "checkpoint_period=2")
   assert rc == 0, err
@@ -106,6 +109,7 @@ def test_interrupted_save_is_never_taken_as_a_checkpoint(tmp_path):
   assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "6"]
 
 
+@pytest.mark.slow
 def test_restore_on_another_mesh(tmp_path):
   """A checkpoint written under fsdp=8 resumes under fsdp=4 x tensor=2 with the uninterrupted losses."""
   common = (
@@ -127,6 +131,7 @@ def test_restore_on_another_mesh(tmp_path):
   np.testing.assert_allclose(_losses(resumed), straight[2:], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_load_parameters_then_fresh_optimizer(tmp_path):
   common = ("enable_checkpointing=true", "async_checkpointing=false", f"base_output_directory={tmp_path}")
   train.train(config(*common, "run_name=src", "steps=3", "learning_rate=1e-2", num_devices=1), jax.devices()[:1])
@@ -142,6 +147,7 @@ def test_load_parameters_then_fresh_optimizer(tmp_path):
   assert full.first_step == 3
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_exits_2_and_keeps_it(tmp_path):
   rc, _, err = _run_cli(tmp_path, "run_name=r", "steps=2")
   assert rc == 0, err
@@ -152,6 +158,7 @@ def test_incompatible_checkpoint_exits_2_and_keeps_it(tmp_path):
   assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == before
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_one_line(tmp_path):
   rc, _, err = _run_cli(
     tmp_path,
@@ -181,26 +188,19 @@ def test_synthetic_batches_depend_only_on_seed_and_step():
   assert not np.array_equal(whole["inputs"], synthetic_rows(0, 8, range(8), 16, 100)["inputs"])
 
 
+@pytest.mark.slow
 def test_cli_entry_points(tmp_path):
   """`python3 MaxText/train.py` and `python3 -m MaxText.train` both run."""
   rc, out, err = _run_cli(tmp_path, "run_name=s", "steps=2", "enable_checkpointing=false")
   assert rc == 0 and "completed step: 1" in out, err
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "MaxText.train",
-      BASE_YML,
-      *overrides_of("run_name=m", "steps=1", f"base_output_directory={tmp_path}"),
-    ],
-    cwd=REPO_ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  module_args = [
+    "-m",
+    "MaxText.train",
+    BASE_YML,
+    *overrides_of("run_name=m", "steps=1", f"base_output_directory={tmp_path}"),
+  ]
+  proc = run([sys.executable, *module_args], env)
   assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr
 
 
