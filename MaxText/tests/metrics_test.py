@@ -47,6 +47,12 @@ def test_peak_table():
   assert metrics.peak_tflops("TPU v5p") == 459.0
   assert metrics.peak_tflops("cpu") is None
   assert metrics.peak_tflops("cpu", cpu_peak_tflops=0.5) == 0.5
+  # One table holds both peaks: decoding's bandwidth figures read the same rows.
+  assert metrics.peak_bandwidth_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+  assert metrics.peak_bandwidth_gbps("NVIDIA A100-SXM4-40GB") == 1555.0
+  assert metrics.peak_bandwidth_gbps("TPU v5 lite") == 819.0
+  assert metrics.peak_bandwidth_gbps("cpu") is None
+  assert metrics.peak_bandwidth_gbps("cpu", memory_bandwidth_gbps=50.0) == 50.0
 
 
 def test_metric_writer_json_lines(tmp_path):
