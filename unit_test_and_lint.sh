@@ -13,6 +13,6 @@ LINTED=(MaxText end_to_end multihost_runner.py multihost_job.py MaxText/tests/fa
 "$PYTHON" -m ruff check "${LINTED[@]}"
 WORKERS=()
 for arg in "$@"; do
-  if [ "$arg" = "not slow" ]; then WORKERS=(-n 2 --dist loadfile); fi
+  case "$arg" in *"not slow"*) WORKERS=(-n 2 --dist loadfile) ;; esac
 done
-"$PYTHON" -m pytest -q -p no:cacheprovider "${WORKERS[@]}" MaxText/tests "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider ${WORKERS[@]+"${WORKERS[@]}"} MaxText/tests "$@"

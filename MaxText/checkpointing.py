@@ -197,8 +197,8 @@ def _layer_layout_mismatch(path: str, missing: str, stored) -> str | None:
   if scanned.search(missing) and any(unrolled.search(name) for name in stored):
     return (
       f"checkpoint {path} stores the decoder layers one by one (params.layers_0, ...) but scan_layers=true needs "
-      "them stacked (params.layers); run with scan_layers=false, or import the Hugging Face model again with "
-      "scan_layers=true"
+      "them stacked (params.layers); run with scan_layers=false, the layout it was saved with (a Hugging Face "
+      "import can also be redone with scan_layers=true)"
     )
   if unrolled.search(missing) and any(scanned.search(name) for name in stored):
     return (

@@ -33,6 +33,11 @@ def no_derived_keys(values: Mapping[str, Any]) -> dict:
   return {}
 
 
+def rope_rotates_pairs(values: Mapping[str, Any]) -> None:
+  if values["head_dim"] % 2:
+    raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
   """A model family: its layer, its config checks and derived keys, its Hugging Face mapping."""
@@ -40,15 +45,11 @@ class Family:
   name: str  # the decoder_block value
   layer: type[nn.Module]  # the decoder layer: x [batch, length, embed] -> (x, kv); see layers/llama.py
   hf: hf_families.HFMapping | None = None  # the Hugging Face mapping; None: no import or export
-  # Raises ConfigError for typed config values (pyconfig.parse's) this family cannot run.
-  check: Callable[[Mapping[str, Any]], None] = no_checks
+  # Raises ConfigError for typed config values (pyconfig.parse's) this family cannot run; the default suits a
+  # family with rotary embeddings.
+  check: Callable[[Mapping[str, Any]], None] = rope_rotates_pairs
   # Keys this family adds to the Config, from the values pyconfig.derive has computed (emb_dim, mesh, ...).
   derive: Callable[[Mapping[str, Any]], dict] = no_derived_keys
-
-
-def rope_rotates_pairs(values: Mapping[str, Any]) -> None:
-  if values["head_dim"] % 2:
-    raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
 
 
 # ------------------------------------------------------------------------------------- Mistral
@@ -204,12 +205,12 @@ FAMILIES: dict[str, Family] = {
   family.name: family
   for family in (
     # Llama 2 and 3 (and 3.1 with rope_type=llama3.1).
-    Family("llama2", LlamaDecoderLayer, hf_families.llama_like("llama", "LlamaForCausalLM"), check=rope_rotates_pairs),
-    Family("mistral", MistralDecoderLayer, MISTRAL_HF, check=rope_rotates_pairs),
-    Family("gemma", GemmaDecoderLayer, GEMMA_HF, check=rope_rotates_pairs),
-    Family("gemma2", Gemma2DecoderLayer, GEMMA2_HF, check=rope_rotates_pairs),
-    Family("qwen3", Qwen3DecoderLayer, QWEN3_HF, check=rope_rotates_pairs),
-    Family("gpt3", Gpt3DecoderLayer, GPT2_HF),  # no RoPE: learned positions (trainable_position_size)
+    Family("llama2", LlamaDecoderLayer, hf_families.llama_like("llama", "LlamaForCausalLM")),
+    Family("mistral", MistralDecoderLayer, MISTRAL_HF),
+    Family("gemma", GemmaDecoderLayer, GEMMA_HF),
+    Family("gemma2", Gemma2DecoderLayer, GEMMA2_HF),
+    Family("qwen3", Qwen3DecoderLayer, QWEN3_HF),
+    Family("gpt3", Gpt3DecoderLayer, GPT2_HF, check=no_checks),  # No RoPE: learned positions (trainable_position_size).
   )
 }
 

@@ -35,7 +35,8 @@ DEVICE_PEAKS = (
   DevicePeak("A100-SXM4-80GB", 312.0, 2039.0),
   DevicePeak("A100-SXM4-40GB", 312.0, 1555.0),
   DevicePeak("A100", 312.0, None),
-  DevicePeak("H100", 989.0, 3350.0),  # SXM, HBM3
+  DevicePeak("H100 PCIe", 756.0, 2000.0),
+  DevicePeak("H100", 989.0, 3350.0),  # SXM, HBM3 (device_kind "NVIDIA H100 80GB HBM3")
   DevicePeak("H200", 989.0, 4800.0),
   DevicePeak("B200", 2250.0, 8000.0),
 )

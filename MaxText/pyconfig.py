@@ -350,7 +350,12 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   d |= _mesh(values, num_devices, num_slices)
   d |= _batches(values, num_devices)
   _check_shards(values, d)
-  return d | families.get(values["decoder_block"]).derive({**values, **d})
+  family = families.get(values["decoder_block"])
+  extra = family.derive({**values, **d})
+  taken = sorted(set(extra) & (set(values) | set(d)))
+  if taken:  # A family adds keys; it never changes those of base.yml or of the derivation above.
+    raise ValueError(f"family {family.name} derives {taken}, which exist already; give its keys names of their own")
+  return d | extra
 
 
 def _model_dims(values: Mapping) -> dict:

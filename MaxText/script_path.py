@@ -15,5 +15,5 @@ import os
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-if REPO_ROOT not in sys.path:
+if sys.path[0] != REPO_ROOT:
   sys.path.insert(0, REPO_ROOT)

@@ -13,6 +13,8 @@ import dataclasses  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
@@ -118,7 +120,7 @@ class TrainSummary:
   first_step: int  # the step it started from: 0, or that of the checkpoint it resumed
   steps_run: int = 0
   losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, loss) of each logged step
-  eval: dict[str, float] | None = None  # the last evaluation's scalars
+  last_eval: dict[str, float] | None = None  # the last evaluation's scalars
   time_to_first_step: float | None = None  # seconds from process start to the end of the first step
   median_step_time: float = math.nan  # seconds, over the steps after the first
   total_tokens: int = 0  # tokens of the steps run (global batch x max_target_length each)
@@ -152,12 +154,12 @@ class Run:
 
   config: Config
   mesh: jax.sharding.Mesh
-  manager: object  # orbax.checkpoint.CheckpointManager, or None when enable_checkpointing=false
+  manager: Any  # orbax.checkpoint.CheckpointManager (imported lazily), or None when enable_checkpointing=false
   step: jax.stages.Compiled  # (state, batch) -> (state, metrics)
-  eval_fn: object  # jitted (params, batch) -> (loss sum, tokens)
+  eval_fn: Callable  # jitted (params, batch) -> (loss sum, tokens)
   state: state_lib.TrainState
   first_step: int
-  data: object = None  # the training iterator; None when there is nothing left to do
+  data: Iterator | None = None  # the training iterator; None when there is nothing left to do
 
   @property
   def run_dir(self) -> str:
@@ -166,6 +168,7 @@ class Run:
 
 def train(config: Config, devices=None) -> TrainSummary:
   """Runs the training loop on `devices` (default: all); returns what it did."""
+  checkpointing.run_dir(config)  # An empty run_name is refused before any work.
   mesh = sharding.create_mesh(config, devices)
   missing = sharding.missing_rules(config)
   if missing:
@@ -230,9 +233,9 @@ def _loop(run: Run) -> TrainSummary:
   """Steps from run.first_step to config.steps; logs, evaluates and saves when Cadence says."""
   config, manager, state = run.config, run.manager, run.state
   cadence = Cadence(config, run.first_step, checkpointing=manager is not None)
-  clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, _PROCESS_START)
   profiler = metrics.Profiler(config, os.path.join(run.run_dir, "tensorboard"))
   writer = metrics.MetricWriter(config, run.run_dir)
+  clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, _PROCESS_START)  # Last.
   summary = TrainSummary(first_step=run.first_step)
   try:
     for step in range(run.first_step, config.steps):
@@ -250,7 +253,7 @@ def _loop(run: Run) -> TrainSummary:
       cli.log(metrics.format_step(step, scalars))
       writer.write(step, scalars)
       if evaluate:
-        summary.eval = _evaluate_and_log(run, state.params, step, writer)
+        summary.last_eval = _evaluate_and_log(run, state.params, step, writer)
         clock.pause_until_now()  # Evaluation time is not step time.
       if save:
         _save(run, state, completed)

@@ -4,6 +4,7 @@ The throwaway family below (Llama's layer with Qwen 3's QK-norm and a derived ke
 one test, trains, and goes to Hugging Face's format and back through the same registry, bit for bit.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -27,7 +28,6 @@ TOY = families.Family(
   "toy",
   ToyDecoderLayer,
   hf_families.llama_like("toy", "ToyForCausalLM", norms=families.QWEN3_NORMS),
-  check=families.rope_rotates_pairs,
   derive=lambda values: {"toy_doubled_emb_dim": 2 * values["emb_dim"]},
 )
 
@@ -42,8 +42,15 @@ def test_decoder_block_values_come_from_the_registry(toy):
   assert pyconfig.choices()["decoder_block"] is families.FAMILIES
   cfg = config("decoder_block=toy", override_model_config="true")
   assert cfg.decoder_block == "toy" and cfg.toy_doubled_emb_dim == 2 * cfg.emb_dim  # the family's derived key
-  with pytest.raises(ConfigError, match="head_dim=7 is odd"):  # the family's own check
+  with pytest.raises(ConfigError, match="head_dim=7 is odd"):  # the default check of a family (RoPE)
     config("decoder_block=toy", "head_dim=7", override_model_config="true")
+
+
+def test_a_family_adds_derived_keys_but_never_replaces_one(monkeypatch):
+  greedy = dataclasses.replace(TOY, derive=lambda values: {"emb_dim": 1})
+  monkeypatch.setitem(families.FAMILIES, TOY.name, greedy)
+  with pytest.raises(ValueError, match=r"family toy derives \['emb_dim'\], which exist already"):
+    config("decoder_block=toy", override_model_config="true")
 
 
 def test_an_unknown_family_is_refused_naming_the_registered_ones():

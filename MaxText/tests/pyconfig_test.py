@@ -1,6 +1,7 @@
 """Config parsing: precedence, types, presets, derived values, and one-line errors for bad input."""
 
 import os
+import re
 
 import pytest
 import yaml
@@ -139,5 +140,6 @@ def test_every_fixed_choice_is_listed_in_its_base_yml_comment():
       assert "MaxText/families.py" in comments[key]
       continue
     comment = comments[key].split("#", 1)[1]
-    missing = [v for v in valid if (v if v else '""') not in comment]
+    # A whole word: "float16" is not found inside "bfloat16", nor "high" inside "highest".
+    missing = [v for v in valid if not re.search(rf"(?<![\w.]){re.escape(v)}(?!\w)(?!\.\w)" if v else '""', comment)]
     assert not missing, f"base.yml's comment on {key} does not name {missing}"
