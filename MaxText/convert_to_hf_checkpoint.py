@@ -27,9 +27,9 @@ from MaxText.input_pipeline import tokenizer as tokenizer_lib
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
 
 
-def hf_tensors(config: Config, params: dict):
+def hf_tensors(config: Config, mapping: hf_families.HFMapping, params: dict):
   """(Hugging Face name, array) of every tensor, in layer order."""
-  model_groups, layer_groups = families.hf_mapping(config).layout(config)
+  model_groups, layer_groups = mapping.layout(config)
 
   def leaf(path: str, i: int | None):
     value = get(params, param_path(config, path, i))
@@ -81,6 +81,7 @@ def export(config: Config) -> str:
     raise ConfigError("hf_model_path is empty; give the folder to write the Hugging Face model to")
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ConfigError(f"hf_model_path={out} already exists and is not empty; give a new or empty folder")
+  mapping = families.hf_mapping(config)  # Before any work: a family without one cannot be exported.
   tokenizer = None
   if config.tokenizer_path:
     tokenizer = tokenizer_lib.load(config.tokenizer_path, config.tokenizer_type)
@@ -88,11 +89,11 @@ def export(config: Config) -> str:
   dtype = np.dtype(params["token_embedder"]["embedding"].dtype).name
 
   with staged(out) as staging:
-    count = write_shards(staging, hf_tensors(config, params), config.hf_max_shard_size_mb * 10**6)
+    count = write_shards(staging, hf_tensors(config, mapping, params), config.hf_max_shard_size_mb * 10**6)
     bos = tokenizer.bos_id if tokenizer and tokenizer.bos_id >= 0 else None
     eos = tokenizer.eos_id if tokenizer and tokenizer.eos_id >= 0 else None
     with open(os.path.join(staging, "config.json"), "w") as f:
-      json.dump(hf_families.hf_config(families.hf_mapping(config), config, dtype, bos, eos), f, indent=2)
+      json.dump(hf_families.hf_config(mapping, config, dtype, bos, eos), f, indent=2)
     if tokenizer:
       path = os.path.expanduser(config.tokenizer_path)
       shutil.copy(path, os.path.join(staging, TOKENIZER_FILES[config.tokenizer_type]))

@@ -41,6 +41,7 @@ PARALLELISM_AXES = {
   "tensor": "tensor",
   "expert": "expert",
 }
+_NAME_OF_AXIS = {axis: name for name, axis in PARALLELISM_AXES.items()}  # mesh axis -> its *_parallelism keys' name
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
 UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism (no mixture-of-experts model)"}
 
@@ -383,9 +384,8 @@ def _mesh(values: Mapping, num_devices: int, num_slices: int) -> dict:
     raise ConfigError(f"{num_devices} devices do not split evenly into {num_slices} slices")
   ici = _fill_axes("ici", values, num_devices // num_slices)
   dcn = _fill_axes("dcn", values, num_slices)
-  name_of = {axis: name for name, axis in PARALLELISM_AXES.items()}
-  ici_shape = tuple(ici[name_of[axis]] for axis in values["mesh_axes"])
-  dcn_shape = tuple(dcn[name_of[axis]] for axis in values["mesh_axes"])
+  ici_shape = tuple(ici[_NAME_OF_AXIS[axis]] for axis in values["mesh_axes"])
+  dcn_shape = tuple(dcn[_NAME_OF_AXIS[axis]] for axis in values["mesh_axes"])
   return {
     "ici_mesh_shape": ici_shape,
     "dcn_mesh_shape": dcn_shape,
@@ -457,14 +457,11 @@ def _shards(values: Mapping, d: Mapping, logical: str) -> tuple[int, str]:
   """How many shards a logical name's mesh axes make, and those axes of size > 1 described with the parallelism
   keys that set them, e.g. "fsdp=4 (ici_fsdp_parallelism=-1, dcn_fsdp_parallelism=1)"."""
   axis_size = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))
-  name_of = {axis: name for name, axis in PARALLELISM_AXES.items()}
   axes = _rule_of(values, logical)
-  described = [
-    f"{axis}={axis_size[axis]} (ici_{name_of[axis]}_parallelism={values[f'ici_{name_of[axis]}_parallelism']}, "
-    f"dcn_{name_of[axis]}_parallelism={values[f'dcn_{name_of[axis]}_parallelism']})"
-    for axis in axes
-    if axis_size[axis] > 1
-  ]
+  described = []
+  for axis in (a for a in axes if axis_size[a] > 1):
+    keys = [f"{kind}_{_NAME_OF_AXIS[axis]}_parallelism" for kind in ("ici", "dcn")]
+    described.append(f"{axis}={axis_size[axis]} ({', '.join(f'{key}={values[key]}' for key in keys)})")
   return math.prod(axis_size[axis] for axis in axes), " x ".join(described)
 
 

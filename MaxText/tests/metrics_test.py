@@ -83,3 +83,18 @@ def test_preset_parameter_count_matches_the_published_checkpoint(preset):
   cfg = pyconfig.load([BASE_YML, "run_name=x", f"model_name={preset}", "max_target_length=64"], num_devices=1, env={})
   abstract = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
   assert metrics.count_params(abstract["params"]) == PUBLISHED_PARAMS[preset]
+
+
+def test_step_clock_splits_time_to_first_step_from_step_times(monkeypatch):
+  """Hand-timed laps: the first lap (step 0) is the time to first step, from process start; later laps of k steps
+  add k step times of lap / k each; time paused for an evaluation counts nowhere."""
+  now = iter([100.0, 103.0, 107.0, 150.0, 160.0])  # construction, lap 1, lap 2, pause, lap 3
+  monkeypatch.setattr(metrics.time, "time", lambda: next(now))
+  clock = metrics.StepClock(config(), "cpu", first_step=0, process_start=90.0)
+  assert clock.lap(1)["perf/step_time_seconds"] == 3.0 and clock.time_to_first_step == 13.0
+  assert clock.lap(3)["perf/step_time_seconds"] == 2.0  # 4 s over steps 2 and 3
+  clock.pause_until_now()
+  perf = clock.lap(5)
+  assert perf["perf/step_time_seconds"] == 5.0 and clock.step_times == [2.0, 2.0, 5.0, 5.0]
+  assert perf["perf/per_device_tflops_per_sec"] == pytest.approx(metrics.training_flops_per_device(config()).total / 5e12)
+  assert perf["perf/mfu"] is None  # no peak for a CPU unless cpu_peak_tflops is set

@@ -178,6 +178,17 @@ def test_nan_loss_stops_with_one_line(tmp_path):
   assert all(n <= bad_step for n in saved), (saved, bad_step)
 
 
+def test_cadence_logs_evaluates_and_saves_when_the_config_says():
+  """After which completed steps the loop logs (every log_period, the first and the last), evaluates and saves."""
+  cfg = config("steps=20", "log_period=5", "eval_interval=8", "eval_steps=1", "checkpoint_period=6")
+  cadence = train.Cadence(cfg, first_step=3, checkpointing=True)
+  assert [n for n in range(4, 21) if cadence.log(n)] == [4, 5, 10, 15, 20]
+  assert [n for n in range(4, 21) if cadence.evaluate(n)] == [8, 16, 20]
+  assert [n for n in range(4, 21) if cadence.save(n, preempted=False)] == [6, 12, 18, 20]
+  assert cadence.save(7, preempted=True) and not train.Cadence(cfg, 3, checkpointing=False).save(6, preempted=True)
+  assert not any(train.Cadence(cfg.replace(eval_interval=-1), 3, True).evaluate(n) for n in range(4, 21))
+
+
 def test_synthetic_batches_depend_only_on_seed_and_step():
   from MaxText.input_pipeline.synthetic import synthetic_rows
 
