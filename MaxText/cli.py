@@ -23,6 +23,37 @@ from MaxText.common_types import Config, ConfigError
 CPU_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 
+# hardware=gpu: NVIDIA's recommended XLA flags for LLM training (JAX-Toolbox's GPU performance guide and its
+# MaxText recipes): the latency-hiding scheduler, collectives pipelined across loop iterations and combined
+# into large ones, double-buffered layer loops, cuBLAS over Triton GEMMs, no command buffers, and XLA's own
+# rematerialisation off (remat_policy decides). Collectives are combined up to 128 MiB. A flag the user's XLA_FLAGS
+# already sets is left as it is. All parse in jaxlib 0.10.2 (an XLA that dropped one would refuse to start with
+# "Unknown flag in XLA_FLAGS": then set that flag yourself in XLA_FLAGS).
+GPU_XLA_FLAGS = {
+  "xla_gpu_enable_latency_hiding_scheduler": "true",
+  "xla_gpu_enable_highest_priority_async_stream": "true",
+  "xla_gpu_enable_triton_gemm": "false",
+  "xla_gpu_enable_command_buffer": "",
+  "xla_gpu_all_reduce_combine_threshold_bytes": "134217728",
+  "xla_gpu_all_gather_combine_threshold_bytes": "134217728",
+  "xla_gpu_reduce_scatter_combine_threshold_bytes": "134217728",
+  "xla_gpu_enable_pipelined_all_gather": "true",
+  "xla_gpu_enable_pipelined_reduce_scatter": "true",
+  "xla_gpu_enable_pipelined_all_reduce": "true",
+  "xla_gpu_enable_while_loop_double_buffering": "true",
+  "xla_gpu_enable_all_gather_combine_by_dim": "false",
+  "xla_gpu_enable_reduce_scatter_combine_by_dim": "false",
+  "xla_disable_hlo_passes": "rematerialization",
+}
+
+
+def with_gpu_flags(xla_flags: str) -> str:
+  """`xla_flags` (an XLA_FLAGS value) plus each of GPU_XLA_FLAGS that it does not set."""
+  given = {flag.lstrip("-").split("=", 1)[0] for flag in xla_flags.split()}
+  added = [f"--{name}={value}" for name, value in GPU_XLA_FLAGS.items() if name not in given]
+  return " ".join([xla_flags.strip(), *added]).strip()
+
+
 class TrainingError(RuntimeError):
   """A run cannot go on (e.g. the loss is NaN); the message says why and what to try."""
 
@@ -44,6 +75,8 @@ def load_config(argv, writes_run_dir: bool = False) -> Config:
   writes_run_dir: the script writes under {base_output_directory}/{run_name}, so run_name must be given.
   """
   values = pyconfig.parse(argv)
+  if values["hardware"] == "gpu":  # Read when the GPU backend starts, so before the first device query.
+    os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
   configure_jax(values)
   distributed.initialize(values)  # A multi-process job is joined before the first device query.
   try:

@@ -252,6 +252,17 @@ def _check_model(values: Mapping) -> None:
       f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
       f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
     )
+  if values["fused_qkv"] and values["base_num_query_heads"] != values["base_num_kv_heads"]:
+    raise ConfigError(
+      f"fused_qkv=true needs base_num_kv_heads == base_num_query_heads (now {values['base_num_kv_heads']} and "
+      f"{values['base_num_query_heads']}): its one matmul makes queries, keys and values of one shape; set fused_qkv=false"
+    )
+  tiles, length = values["num_vocab_tiling"], values["max_target_length"]
+  if tiles < 1 or length % tiles:
+    raise ConfigError(
+      f"num_vocab_tiling={tiles} must be a positive divisor of max_target_length={length}: each chunk takes every "
+      "row's tokens j, j + n, ...; choose e.g. num_vocab_tiling=4"
+    )
   if not 0.0 <= values["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate={values['dropout_rate']} must be in [0, 1)")
   if values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:

@@ -37,17 +37,49 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   batch: inputs, inputs_segmentation, inputs_position, targets, targets_segmentation [batch, length].
   Returning the sum (not the mean) lets micro-batches add up to exactly the full batch's loss.
   """
-  logits_BLV = model.apply(
+  config = model.config
+  outputs = model.apply(
     {"params": params},
     batch["inputs"],
     batch["inputs_segmentation"],
     batch["inputs_position"],
     deterministic=deterministic,
     rngs={"dropout": dropout_rng},
-  ).astype(jnp.float32)
-  xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+    return_hidden=config.num_vocab_tiling > 1,
+  )
   mask_BL = batch["targets_segmentation"] != 0
+  if config.num_vocab_tiling > 1:
+    return tiled_cross_entropy(config, params, outputs, batch["targets"], mask_BL), jnp.sum(mask_BL)
+  xent_BL = optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), batch["targets"])
   return jnp.sum(jnp.where(mask_BL, xent_BL, 0.0)), jnp.sum(mask_BL)
+
+
+def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL):
+  """The summed cross-entropy of loss_fn, with the output head applied to num_vocab_tiling chunks of tokens in
+  turn, each rematerialised in the backward pass, so only one chunk's [tokens, vocab] logits exist at a time.
+
+  Chunk j holds every row's tokens j, j + n, j + 2n, ... (n = num_vocab_tiling): strided, so each device keeps
+  its share of every chunk whether the batch or the length is sharded.
+  """
+  n = config.num_vocab_tiling
+  b, length, e = hidden_BLE.shape
+
+  def chunks(x):  # [batch, length, ...] -> [n, batch, length / n, ...]
+    return jnp.moveaxis(x.reshape(b, length // n, n, *x.shape[2:]), 2, 0)
+
+  head, head_params = models.OutputHead(config), models.OutputHead.params(params)
+
+  @jax.checkpoint
+  def chunk_loss(hidden, targets, mask):
+    logits = head.apply({"params": head_params}, hidden).astype(jnp.float32)
+    xent = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(jnp.where(mask, xent, 0.0))
+
+  def body(total, chunk):
+    return total + chunk_loss(*chunk), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (chunks(hidden_BLE), chunks(targets_BL), chunks(mask_BL)))
+  return total
 
 
 def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState, batch):
@@ -237,10 +269,13 @@ def _loop(run: Run) -> TrainSummary:
   writer = metrics.MetricWriter(config, run.run_dir)
   clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, _PROCESS_START)  # Last.
   summary = TrainSummary(first_step=run.first_step)
+  batch = None
   try:
     for step in range(run.first_step, config.steps):
       profiler.before_step(step)
-      state, step_metrics = run.step(state, next(run.data))
+      if batch is None or config.reuse_example_batch <= 0:  # reuse_example_batch: benchmark on one batch.
+        batch = next(run.data)
+      state, step_metrics = run.step(state, batch)
       completed = step + 1
       profiler.after_step(completed, state)
       preempted = checkpointing.reached_preemption(manager, completed)

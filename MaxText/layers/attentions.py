@@ -9,7 +9,7 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers.embeddings import apply_rope, rope_frequencies
-from MaxText.layers.linears import PRECISIONS, DenseGeneral
+from MaxText.layers.linears import PRECISIONS, DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
 
 # Added to masked logits: large but finite, so a row never becomes NaN (MaxText's DEFAULT_MASK_VALUE).
@@ -117,9 +117,13 @@ class Attention(nn.Module):
     cfg = self.config
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     bias = self.use_bias
-    q = DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="query")(x)
-    k = DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="key")(x)
-    v = DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="value")(x)
+    projections = [
+      DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="query"),
+      DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="key"),
+      DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="value"),
+    ]
+    # fused_qkv needs kv_heads == heads (checked by pyconfig), as in MaxText.
+    q, k, v = fused_projection(x, projections) if cfg.fused_qkv else [p(x) for p in projections]
     q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     q = sharding.constrain(q, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     k = sharding.constrain(k, (ct.BATCH, ct.LENGTH, ct.ACT_KV_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
@@ -140,6 +144,7 @@ class Attention(nn.Module):
     else:
       out = dot_product_attention(q, k, v, segment_ids, positions, precision, window, cap)
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
+    out = checkpoint_name(out, "context")  # What remat_policy=minimal_flash saves.
     out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=bias, name="out")(out)
     kv = None if self.model_mode == ct.MODEL_MODE_TRAIN else (k, v)
     return checkpoint_name(out, "out_proj"), kv

@@ -27,13 +27,21 @@ class Embed(nn.Module):
     )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    """tokens [batch, length] int -> [batch, length, embed] in the activation dtype."""
+    """tokens [batch, length] int -> [batch, length, embed] in the activation dtype.
+
+    use_iota_embed: a one-hot (iota == token) matmul instead of a gather, as MaxText does for TPUs; the same
+    values exactly (each output is 1 x one row plus zeros).
+    """
     dtype, _ = dtypes(self.config)
+    if self.config.use_iota_embed:
+      one_hot = tokens[..., None] == jnp.arange(self.embedding.shape[0], dtype=tokens.dtype)
+      return jnp.dot(one_hot.astype(dtype), self.embedding.astype(dtype), precision=jax.lax.Precision.HIGHEST)
     return jnp.take(self.embedding, tokens, axis=0).astype(dtype)
 
-  def attend(self, x: jax.Array) -> jax.Array:
-    """Tied output projection: x [batch, length, embed] -> logits [batch, length, vocab]."""
-    dtype, _ = dtypes(self.config)
+  def attend(self, x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
+    """Tied output projection: x [batch, length, embed] -> logits [batch, length, vocab], computed in `dtype`
+    (default: the activation dtype)."""
+    dtype = dtype or dtypes(self.config)[0]
     return jnp.einsum(
       "ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype), precision=PRECISIONS[self.config.matmul_precision]
     )

@@ -41,10 +41,13 @@ class DenseGeneral(nn.Module):
   config: Config
   num_in: int = 1
   use_bias: bool = False
+  compute_dtype: jnp.dtype | None = None  # Overrides the activation dtype (logits_dot_in_fp32).
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, weights_only: bool = False):
+    """x . W (+ b); with weights_only, (W, b or None) in the compute dtype instead, for fused_projection."""
     dtype, weight_dtype = dtypes(self.config)
+    dtype = self.compute_dtype or dtype
     in_shape = x.shape[-self.num_in :]
     features = tuple(self.features)
     n_out = len(features)
@@ -58,19 +61,37 @@ class DenseGeneral(nn.Module):
     kernel = self.param(
       "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), in_shape + features, weight_dtype
     )
-    contract_x = tuple(range(x.ndim - self.num_in, x.ndim))
-    contract_w = tuple(range(self.num_in))
-    y = jax.lax.dot_general(
-      x.astype(dtype),
-      kernel.astype(dtype),
-      ((contract_x, contract_w), ((), ())),
-      precision=PRECISIONS[self.config.matmul_precision],
-    )
+    bias = None
     if self.use_bias:
       bias_axes = tuple(self.kernel_axes)[self.num_in :]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, weight_dtype)
-      y = y + bias.astype(dtype)
-    return y
+      bias = bias.astype(dtype)
+    if weights_only:
+      return kernel.astype(dtype), bias
+    y = _contract(x.astype(dtype), kernel.astype(dtype), self.num_in, self.config)
+    return y if bias is None else y + bias
+
+
+def _contract(x: jax.Array, kernel: jax.Array, num_in: int, config: Config) -> jax.Array:
+  """x [..., *in] . kernel [*in, *out] -> [..., *out]."""
+  contract_x = tuple(range(x.ndim - num_in, x.ndim))
+  return jax.lax.dot_general(
+    x, kernel, ((contract_x, tuple(range(num_in))), ((), ())), precision=PRECISIONS[config.matmul_precision]
+  )
+
+
+def fused_projection(x: jax.Array, layers: Sequence[DenseGeneral]) -> list[jax.Array]:
+  """[layer(x) for layer in layers] as one matmul (fused_qkv, fused_mlp), with the same parameters.
+
+  The layers' kernels (same input and output shapes) are stacked on a new axis after the input axes, so the
+  stacked kernel keeps each one's sharding; each output column is the same dot product as unfused.
+  """
+  weights = [layer(x, weights_only=True) for layer in layers]
+  num_in = layers[0].num_in
+  kernel = jnp.stack([w for w, _ in weights], axis=num_in)  # [*in, n, *out]
+  y = _contract(x.astype(kernel.dtype), kernel, num_in, layers[0].config)  # [..., n, *out]
+  outs = [jnp.take(y, i, axis=x.ndim - num_in) for i in range(len(layers))]
+  return [out if b is None else out + b for out, (_, b) in zip(outs, weights, strict=True)]
 
 
 class MlpBlock(nn.Module):
@@ -87,10 +108,15 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
+    wi = [
+      DenseGeneral((cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, name=f"wi_{i}")
+      for i in range(len(cfg.mlp_activations))
+    ]
+    fused = cfg.fused_mlp and len(wi) > 1
+    projections = fused_projection(x, wi) if fused else [layer(x) for layer in wi]
     hidden = None
-    for i, act in enumerate(cfg.mlp_activations):
-      h = DenseGeneral((cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, name=f"wi_{i}")(x)
-      h = ACTIVATIONS[act](checkpoint_name(h, "mlpwi"))
+    for projection, act in zip(projections, cfg.mlp_activations, strict=True):
+      h = ACTIVATIONS[act](checkpoint_name(projection, "mlpwi"))
       hidden = h if hidden is None else hidden * h
     hidden = sharding.constrain(hidden, (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
     out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, use_bias=self.use_bias, name="wo")(hidden)

@@ -11,20 +11,65 @@ from MaxText.layers.attentions import soft_cap
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 
-_save_only = jax.checkpoint_policies.save_only_these_names
+_policies = jax.checkpoint_policies
+_save_only = _policies.save_only_these_names
+_QKV = ("query_proj", "key_proj", "value_proj")
 
 # MaxText's `remat_policy` names: what the backward pass keeps of the forward pass (by the checkpoint_name()s
 # in the layers) instead of recomputing it. full keeps nothing; minimal keeps matmul outputs without batch
-# dims; save_* keep the named projections; none does not rematerialise at all.
+# dims; minimal_flash also the attention output (`context`); save_* keep the named projections; none does not
+# rematerialise at all. The *_offloaded policies keep what save_qkv_proj / minimal keep, in host memory
+# (OFFLOADED below) on TPU and GPU; on the CPU device memory is host memory, so they are those policies.
 REMAT_POLICIES = {
-  "full": jax.checkpoint_policies.nothing_saveable,
-  "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-  "save_qkv_proj": _save_only("query_proj", "key_proj", "value_proj"),
-  "save_dot_except_mlp": _save_only("query_proj", "key_proj", "value_proj", "out_proj"),
-  "save_dot_except_mlpwi": _save_only("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+  "full": _policies.nothing_saveable,
+  "minimal": _policies.checkpoint_dots_with_no_batch_dims,
+  "minimal_flash": _policies.save_from_both_policies(_policies.checkpoint_dots_with_no_batch_dims, _save_only("context")),
+  "save_qkv_proj": _save_only(*_QKV),
+  "save_dot_except_mlp": _save_only(*_QKV, "out_proj"),
+  "save_dot_except_mlpwi": _save_only(*_QKV, "out_proj", "mlpwo"),
   "save_out_proj": _save_only("out_proj"),
+  "qkv_proj_offloaded": _save_only(*_QKV),
+  "minimal_offloaded": _policies.checkpoint_dots_with_no_batch_dims,
   "none": None,
 }
+OFFLOADED = {
+  "qkv_proj_offloaded": _policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=list(_QKV), offload_src="device", offload_dst="pinned_host"
+  ),
+  "minimal_offloaded": _policies.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
+}
+
+
+def remat_policy(name: str, platform: str):
+  """The jax.checkpoint policy of remat_policy=`name` for devices of `platform` (cpu, gpu, tpu)."""
+  return OFFLOADED[name] if name in OFFLOADED and platform != "cpu" else REMAT_POLICIES[name]
+
+
+def output_logits(config: Config, embed: Embed, x: jax.Array) -> jax.Array:
+  """The output head: final-norm activations [..., embed] -> soft-capped logits [..., vocab], in float32 when
+  logits_dot_in_fp32 (else the activation dtype). Shared by the Transformer and the vocabulary-tiled loss."""
+  dtype = jnp.float32 if config.logits_dot_in_fp32 else None
+  if config.logits_via_embedding:
+    logits = embed.attend(x, dtype)
+  else:
+    logits = DenseGeneral((config.vocab_size,), (ct.EMBED, ct.VOCAB), config, compute_dtype=dtype, name="logits_dense")(x)
+  return soft_cap(logits, config.final_logits_soft_cap)
+
+
+class OutputHead(nn.Module):
+  """output_logits() as a module over the Transformer's own head parameters (`logits_dense`, or
+  `token_embedder` when tied), so the loss can apply the head to chunks of activations (num_vocab_tiling)."""
+
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return output_logits(self.config, Embed(self.config, name="token_embedder"), x)
+
+  @staticmethod
+  def params(params: dict) -> dict:
+    """The head's part of the Transformer's params."""
+    return {k: params[k] for k in ("logits_dense", "token_embedder") if k in params}
 
 
 class Transformer(nn.Module):
@@ -32,7 +77,9 @@ class Transformer(nn.Module):
 
   tokens, segment_ids, positions: [batch, length] int32 (segment 0 is padding; positions restart per
   document) -> logits [batch, length, vocab] in the activation dtype. `input_embeddings` [batch, length,
-  embed], when given, replaces the token lookup (tests take gradients with respect to it).
+  embed], when given, replaces the token lookup (tests take gradients with respect to it). With return_hidden
+  the output head is left out: the final-norm activations [batch, length, embed] are returned, for a loss
+  that applies OutputHead to chunks of them (num_vocab_tiling).
 
   Decoding (`model_mode`, see common_types) returns (logits, kv) instead. Prefill: kv = (keys, values)
   of every layer, [layers, batch, length, kv_heads, head_dim] each. Autoregressive: length is 1, `cache`
@@ -57,6 +104,7 @@ class Transformer(nn.Module):
     cache=None,
     cache_mask=None,
     cache_positions=None,
+    return_hidden: bool = False,
   ):
     cfg, mode = self.config, self.model_mode
     family = families.get(cfg.decoder_block).layer
@@ -70,7 +118,8 @@ class Transformer(nn.Module):
 
     block = family
     if cfg.remat_policy != "none" and mode == ct.MODEL_MODE_TRAIN:
-      block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+      platform = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform
+      block = nn.remat(block, policy=remat_policy(cfg.remat_policy, platform), prevent_cse=not cfg.scan_layers)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
     if cfg.scan_layers:
       scanned = nn.scan(
@@ -94,11 +143,9 @@ class Transformer(nn.Module):
       kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *kvs)
 
     x = family.norm(cfg, "decoder_norm")(x)
-    if cfg.logits_via_embedding:
-      logits = embed.attend(x)
-    else:
-      logits = DenseGeneral((cfg.vocab_size,), (ct.EMBED, ct.VOCAB), cfg, name="logits_dense")(x)
-    logits = soft_cap(logits, cfg.final_logits_soft_cap)
+    if return_hidden:
+      return x
+    logits = output_logits(cfg, embed, x)
     logits = sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
     return logits if mode == ct.MODEL_MODE_TRAIN else (logits, kv)
 

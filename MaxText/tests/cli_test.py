@@ -1,6 +1,7 @@
 """cli.py: exit codes and one-line errors for each kind of failure, config loading, JAX set-up, and every entry
 point run as a file."""
 
+import json
 import os
 import sys
 
@@ -8,7 +9,7 @@ import jax
 import pytest
 import yaml
 
-from MaxText import cli
+from MaxText import cli, pyconfig
 from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides, run
 
@@ -105,3 +106,27 @@ def test_every_entry_point_runs_as_a_file_and_exits_2_on_a_config_mistake(script
   proc = run([sys.executable, os.path.join(REPO_ROOT, script), str(tmp_path / "missing.yml")], env, 120, cwd=tmp_path)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "missing.yml" in proc.stderr
+
+
+def test_gpu_flags_are_added_unless_the_user_set_them():
+  flags = cli.with_gpu_flags("--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/d")
+  assert flags.split()[:2] == ["--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_dump_to=/tmp/d"]
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags
+  assert "--xla_gpu_enable_while_loop_double_buffering=true" in flags.split()
+  assert len(flags.split()) == 2 + len(cli.GPU_XLA_FLAGS) - 1
+
+
+def test_nvidia_llama2_7b_command_is_accepted_key_for_key(tmp_path):
+  """end_to_end/gpu/llama2_7b_1node.sh (NVIDIA's seed command) resolves on 8 devices: every key exists."""
+  fake_python = tmp_path / "python"
+  fake_python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+  fake_python.chmod(0o755)
+  script = os.path.join(REPO_ROOT, "end_to_end", "gpu", "llama2_7b_1node.sh")
+  result = run(["bash", script, "log_period=5"], env={**os.environ, "PYTHON": str(fake_python), "STEPS": "5"})
+  assert result.returncode == 0, result.stderr
+  argv = json.loads(result.stdout)
+  assert argv[0] == "MaxText/train.py"
+  config = pyconfig.load([os.path.join(REPO_ROOT, argv[1]), *argv[2:]], num_devices=8, env={})
+  assert (config.model_name, config.hardware, config.attention, config.steps) == ("llama2-7b", "gpu", "dot_product", 5)
+  assert config.use_iota_embed and not config.logits_dot_in_fp32 and config.remat_policy == "minimal"
+  assert config.global_batch_size == 16 and config.max_target_length == 4096

@@ -7,6 +7,7 @@ import pytest
 from flax import linen as nn
 
 from MaxText import cli, train
+from MaxText.common_types import ConfigError
 from MaxText.layers import embeddings, models
 from MaxText.tests.helpers import config
 
@@ -251,3 +252,81 @@ def test_dropout_is_active_only_in_training():
 
   np.testing.assert_array_equal(run(True, 0), run(True, 1))
   assert not np.allclose(run(False, 0), run(False, 1))
+
+
+@pytest.mark.parametrize("fused", [("fused_qkv=true",), ("fused_mlp=true",), ("fused_qkv=true", "fused_mlp=true")])
+def test_fused_projections_equal_separate_ones(fused):
+  """fused_qkv / fused_mlp: one matmul over the same parameters gives the same loss and gradients."""
+  heads = ("override_model_config=true", "base_num_kv_heads=4", "max_target_length=32")
+  reference_cfg = config(*heads)
+  cfg = config(*heads, *fused)
+  _, params = _init(cfg)
+  batch = _batch(cfg)
+  loss, grads = _loss_and_grads(cfg, params, batch)
+  ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+
+
+def test_fused_qkv_is_refused_for_grouped_query_attention():
+  with pytest.raises(ConfigError, match="fused_qkv=true needs base_num_kv_heads == base_num_query_heads"):
+    config("fused_qkv=true")  # The tiny model has 4 query heads over 2 KV heads.
+
+
+def test_iota_embedding_gives_the_gathered_rows_exactly():
+  """use_iota_embed: a one-hot matmul instead of a gather, bit for bit (bf16 and float32 activations)."""
+  for dtype in ("bfloat16", "float32"):
+    cfg, iota_cfg = config(f"dtype={dtype}"), config(f"dtype={dtype}", "use_iota_embed=true")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    table = {"params": {"embedding": jax.random.normal(jax.random.key(0), (cfg.vocab_size, cfg.emb_dim))}}
+    gathered = embeddings.Embed(cfg).apply(table, tokens)
+    one_hot = embeddings.Embed(iota_cfg).apply(table, tokens)
+    assert one_hot.dtype == gathered.dtype
+    np.testing.assert_array_equal(np.asarray(one_hot, np.float32), np.asarray(gathered, np.float32))
+
+
+def test_logits_dot_in_fp32_computes_the_head_in_float32():
+  """bf16 activations: logits_dot_in_fp32=true gives float32 logits equal to the float32 product of the final
+  hidden states and the kernel; false gives the bf16 product, as MaxText does."""
+  cfg = config("dtype=bfloat16", "max_target_length=16")
+  fp32_cfg = config("dtype=bfloat16", "max_target_length=16", "logits_dot_in_fp32=true")
+  model, params = _init(cfg)
+  batch = _batch(cfg)
+  args = (batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+  hidden = model.apply({"params": params}, *args, return_hidden=True)
+  kernel = params["logits_dense"]["kernel"]
+  logits = models.Transformer(fp32_cfg).apply({"params": params}, *args)
+  assert logits.dtype == jnp.float32
+  want = jnp.einsum("ble,ev->blv", hidden.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+  assert model.apply({"params": params}, *args).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("extra", [(), ("logits_via_embedding=true", "final_logits_soft_cap=30.0")])
+def test_vocab_tiling_equals_untiled_loss_and_grads(extra):
+  """num_vocab_tiling=4: the same summed loss and gradients as the whole logits at once (float32), for an
+  untied head and for a tied, soft-capped one; padding targets stay out of the loss."""
+  cfg = config("max_target_length=32", *extra)
+  tiled_cfg = config("max_target_length=32", "num_vocab_tiling=4", *extra)
+  _, params = _init(cfg)
+  batch = dict(_batch(cfg))
+  batch["targets_segmentation"] = batch["targets_segmentation"].copy()
+  batch["targets_segmentation"][1, 20:] = 0
+  loss, grads = _loss_and_grads(tiled_cfg, params, batch)
+  ref_loss, ref_grads = _loss_and_grads(cfg, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+
+
+def test_vocab_tiling_must_divide_the_length():
+  with pytest.raises(ConfigError, match="num_vocab_tiling=3 must be a positive divisor of max_target_length=64"):
+    config("num_vocab_tiling=3")
+
+
+def test_offloaded_remat_policies_offload_only_on_accelerators():
+  """On the CPU, host memory is device memory: the *_offloaded policies are the saving ones they mirror."""
+  assert models.remat_policy("qkv_proj_offloaded", "cpu") == models.REMAT_POLICIES["save_qkv_proj"]
+  assert models.remat_policy("minimal_offloaded", "cpu") == models.REMAT_POLICIES["minimal"]
+  for platform in ("tpu", "gpu"):
+    assert models.remat_policy("qkv_proj_offloaded", platform) is models.OFFLOADED["qkv_proj_offloaded"]
+    assert models.remat_policy("full", platform) is models.REMAT_POLICIES["full"]

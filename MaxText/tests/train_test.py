@@ -255,3 +255,12 @@ def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
   assert got["eval/total_weights"] == tokens == 3 * 4 * cfg.max_target_length
   np.testing.assert_allclose(got["eval/avg_loss"], total / tokens, rtol=1e-6)
   np.testing.assert_allclose(got["eval/perplexity"], np.exp(total / tokens), rtol=1e-6)
+
+
+def test_reuse_example_batch_trains_on_the_first_batch_every_step():
+  """With the learning rate at 0 the params stay put, so the loss changes only with the batch."""
+  common = ("steps=3", "learning_rate=0", "max_target_length=16", "per_device_batch_size=1")
+  reused = _losses(train.train(config(*common, "reuse_example_batch=1"), jax.devices()[:1]))
+  fresh = _losses(train.train(config(*common), jax.devices()[:1]))
+  assert reused[0] == fresh[0] and np.all(reused == reused[0])
+  assert len(set(fresh.tolist())) == 3
