@@ -16,6 +16,7 @@ A user mistake raises `ConfigError` whose message names the key, the value and t
 import difflib
 import math
 import os
+import types
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from MaxText import families, input_pipeline, metrics
 from MaxText.common_types import Config, ConfigError, freeze
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
-from MaxText.layers import embeddings, linears, models
+from MaxText.layers import attention_kernels, embeddings, linears, models
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 BASE_YML = os.path.join(CONFIGS_DIR, "base.yml")
@@ -58,6 +59,7 @@ def choices() -> dict[str, Collection[str]]:
     "weight_dtype": linears.DTYPES,
     "matmul_precision": linears.PRECISIONS,
     "remat_policy": models.REMAT_POLICIES,
+    "attention": attention_kernels.KERNELS,
     "rope_type": embeddings.ROPE_TYPES,
     "decoder_block": families.FAMILIES,
     "tokenizer_type": tokenizer.LOADERS,
@@ -223,6 +225,7 @@ def _validate(values: Mapping) -> None:
   _check_model(values)
   _check_training(values)
   _check_axis_rules(values)
+  _check_attention(values)
   families.get(values["decoder_block"]).check(values)
 
 
@@ -288,6 +291,24 @@ def _check_training(values: Mapping) -> None:
     )
   if values["load_parameters_path"] and values["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
+
+
+def _check_attention(values: Mapping) -> None:
+  """What the chosen attention kernel cannot do, known before any device work (attention_kernels raises the same
+  errors when the step is traced, for anything only the traced shapes tell)."""
+  name, settings = values["attention"], types.SimpleNamespace(**values)
+  if name.startswith("cudnn"):
+    if values["hardware"] != "gpu":
+      raise ConfigError(
+        f"attention={name} is cuDNN fused attention, for NVIDIA GPUs; set hardware=gpu, or use attention=flash"
+      )
+    shape = (1, values["max_target_length"], values["base_num_query_heads"], values["head_dim"])
+    window, cap = values["sliding_window_size"], values["attn_logits_soft_cap"]
+    reason = attention_kernels.cudnn_unsupported_reason(settings, shape, linears.DTYPES[values["dtype"]], window, cap)
+    if reason:
+      raise ConfigError(f"attention={name}: {reason}; use attention=flash or attention=dot_product")
+  if name == "flash" and (values["hardware"] == "tpu" or values["compile_topology"]):
+    attention_kernels.splash_block_sizes(settings, values["max_target_length"])
 
 
 def _check_axis_rules(values: Mapping) -> None:

@@ -1,4 +1,4 @@
-"""Grouped-query causal self-attention with segment masking and RoPE."""
+"""Grouped-query causal self-attention with segment masking and RoPE; the kernels behind it are in attention_kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -8,51 +8,11 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
+from MaxText.layers import attention_kernels
+from MaxText.layers.attention_kernels import MASK_VALUE, soft_cap, within_window
 from MaxText.layers.embeddings import apply_rope, rope_frequencies
 from MaxText.layers.linears import PRECISIONS, DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
-
-# Added to masked logits: large but finite, so a row never becomes NaN (MaxText's DEFAULT_MASK_VALUE).
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def attention_mask(segment_ids: jax.Array, positions: jax.Array, window=0) -> jax.Array:
-  """[batch, 1, 1, q_len, kv_len] bool: causal, only within the same segment (packed document), and, for a
-  positive `window` (sliding-window attention), only the keys less than `window` positions back."""
-  length = segment_ids.shape[1]
-  causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-  same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-  mask = causal[None] & same_segment & within_window(positions[:, :, None], positions[:, None, :], window)
-  return mask[:, None, None]
-
-
-def within_window(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
-  """Key positions a query may see under sliding-window attention (q - k < window); all of them when window <= 0.
-  `window` may be traced (Gemma 2 alternates local and global layers inside one scan)."""
-  if isinstance(window, int) and window <= 0:
-    return jnp.asarray(True)
-  return (jnp.asarray(window) <= 0) | (q_pos - k_pos < window)
-
-
-def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
-  """cap * tanh(logits / cap) (Gemma 2's logit soft-capping); identity for cap <= 0."""
-  return cap * jnp.tanh(logits / cap) if cap > 0 else logits
-
-
-def dot_product_attention(q, k, v, segment_ids, positions, precision, window=0, cap=0.0):
-  """softmax(q k^T + mask) v with grouped heads; the softmax runs in float32.
-
-  q: [batch, length, heads, head_dim] (already scaled); k, v: [batch, length, kv_heads, head_dim];
-  returns [batch, length, heads, head_dim].
-  """
-  b, t, h, d = q.shape
-  kv = k.shape[2]
-  q = q.reshape(b, t, kv, h // kv, d)
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
-  logits = jnp.where(attention_mask(segment_ids, positions, window), soft_cap(logits, cap), MASK_VALUE)
-  weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=precision)
-  return out.reshape(b, t, h, -1)
 
 
 def cached_attention(
@@ -142,7 +102,7 @@ class Attention(nn.Module):
       cache_k, cache_v = (sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
       out = cached_attention(q, k, v, cache_k, cache_v, cache_mask, precision, window, cap, positions, cache_positions)
     else:
-      out = dot_product_attention(q, k, v, segment_ids, positions, precision, window, cap)
+      out = attention_kernels.attend(q, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, window=window, cap=cap)
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")  # What remat_policy=minimal_flash saves.
     out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=bias, name="out")(out)

@@ -7,7 +7,7 @@ from flax import linen as nn
 from MaxText import common_types as ct
 from MaxText import families, sharding
 from MaxText.common_types import Config
-from MaxText.layers.attentions import soft_cap
+from MaxText.layers.attention_kernels import soft_cap
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 

@@ -330,3 +330,47 @@ def test_offloaded_remat_policies_offload_only_on_accelerators():
   for platform in ("tpu", "gpu"):
     assert models.remat_policy("qkv_proj_offloaded", platform) is models.OFFLOADED["qkv_proj_offloaded"]
     assert models.remat_policy("full", platform) is models.REMAT_POLICIES["full"]
+
+
+@pytest.mark.parametrize(
+  "family",
+  [
+    ("max_target_length=48",),  # Llama, GQA; 48 tokens in blocks of 16
+    (  # Gemma 2: local and global layers alternate inside the scan (a traced window), soft-capped logits
+      "decoder_block=gemma2",
+      "override_model_config=true",
+      "sliding_window_size=12",
+      "attn_logits_soft_cap=5.0",
+      "final_logits_soft_cap=30.0",
+      "query_pre_attn_scalar=16",
+      "max_target_length=48",
+    ),
+  ],
+)
+def test_flash_attention_model_equals_dot_product(family):
+  """attention=flash (blockwise on the CPU) gives the loss and gradients of attention=dot_product, with packed
+  documents and padding in the batch (float32)."""
+  blocks = ("sa_block_q=16", "sa_block_kv=16")
+  reference_cfg = config(*family, "attention=dot_product")
+  cfg = config(*family, "attention=flash", *blocks)
+  _, params = _init(cfg)
+  batch = dict(_batch(cfg))
+  segments = np.ones((2, 48), np.int32)
+  segments[0, 20:] = 2  # two documents in row 0, padding at the end of row 1
+  segments[1, 40:] = 0
+  positions = np.stack([np.r_[np.arange(20), np.arange(28)], np.arange(48)]).astype(np.int32)
+  batch.update(inputs_segmentation=segments, targets_segmentation=segments, inputs_position=positions)
+  loss, grads = _loss_and_grads(cfg, params, batch)
+  ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+
+
+def test_attention_kernel_mistakes_are_config_errors():
+  with pytest.raises(ConfigError, match="attention=cudnn_flash_te is cuDNN fused attention, for NVIDIA GPUs"):
+    config("attention=cudnn_flash_te")
+  with pytest.raises(ConfigError, match="cuDNN fused attention has no logit soft cap"):
+    config("attention=cudnn_flash_jax", "hardware=gpu", "dtype=bfloat16", "attn_logits_soft_cap=50.0")
+  with pytest.raises(ConfigError, match="attention=flash \\(splash\\): length 64 is not a multiple of 128"):
+    config("attention=flash", "hardware=tpu")
+  assert config("attention=flash").attention == "flash"  # blockwise on the CPU takes any length
