@@ -27,7 +27,7 @@ CPU_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 # MaxText recipes): the latency-hiding scheduler, collectives pipelined across loop iterations and combined
 # into large ones, double-buffered layer loops, cuBLAS over Triton GEMMs, no command buffers, and XLA's own
 # rematerialisation off (remat_policy decides). Collectives are combined up to 128 MiB. A flag the user's XLA_FLAGS
-# already sets is left as it is. All parse in jaxlib 0.10.2 (an XLA that dropped one would refuse to start with
+# already sets is left as it is. All parse in jaxlib 0.10.2 and 0.12.0.1 (an XLA that dropped one would refuse to start with
 # "Unknown flag in XLA_FLAGS": then set that flag yourself in XLA_FLAGS).
 GPU_XLA_FLAGS = {
   "xla_gpu_enable_latency_hiding_scheduler": "true",
