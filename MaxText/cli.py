@@ -126,17 +126,19 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def run_cli(body, argv, writes_run_dir: bool = False) -> int:
+def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   """A script's exit code: runs body(config) for the command line `argv` (an int it returns is the exit code,
   anything else means 0); a user mistake (ConfigError, exit 2) or a failed run (TrainingError, exit 1) is one
-  line on stderr instead of a traceback. writes_run_dir: see load_config.
+  line on stderr instead of a traceback. writes_run_dir: see load_config. load: argv[1:] -> Config, for a script
+  whose config is not for this host's devices (train_compile.py's topology); default load_config.
 
   In a multi-process job a failing process leaves at once, without JAX's shutdown barrier (which would wait
   for the other processes while they wait for it in a collective): they see it gone and fail too.
   """
   logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
   try:
-    code = body(load_config(argv[1:], writes_run_dir))
+    config = load(argv[1:]) if load is not None else load_config(argv[1:], writes_run_dir)
+    code = body(config)
     code = code if isinstance(code, int) else 0
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)

@@ -21,17 +21,20 @@ class DevicePeak:
   name: str  # matched as a substring of jax's device_kind, ignoring case
   bf16_tflops: float
   memory_gbps: float | None  # GB/s of one device's HBM; None where the name covers parts that differ
+  hbm_gib: float | None = None  # HBM of one device that XLA may use, as libtpu's compiler reports it (TPUs)
 
 
-# Per device (per chip for TPUs), from the vendors' data sheets; most specific names first.
+# Per device (per chip for TPUs), from the vendors' data sheets; most specific names first. hbm_gib is what
+# libtpu 0.0.42.1's compiler says is available when a program does not fit ("exceeds available HBM (15.75G)"):
+# a little under the data sheets' 32 / 16 / 95 / 32 GiB (train_compile.py checks a step against it).
 DEVICE_PEAKS = (
-  DevicePeak("TPU v4", 275.0, 1228.0),
-  DevicePeak("TPU v5 lite", 197.0, 819.0),
-  DevicePeak("TPU v5e", 197.0, 819.0),
-  DevicePeak("TPU v5p", 459.0, 2765.0),
-  DevicePeak("TPU v5", 459.0, 2765.0),  # v5p reports device_kind "TPU v5"
-  DevicePeak("TPU v6 lite", 918.0, 1640.0),
-  DevicePeak("TPU v6e", 918.0, 1640.0),
+  DevicePeak("TPU v4", 275.0, 1228.0, hbm_gib=30.75),
+  DevicePeak("TPU v5 lite", 197.0, 819.0, hbm_gib=15.75),
+  DevicePeak("TPU v5e", 197.0, 819.0, hbm_gib=15.75),
+  DevicePeak("TPU v5p", 459.0, 2765.0, hbm_gib=95.74),
+  DevicePeak("TPU v5", 459.0, 2765.0, hbm_gib=95.74),  # v5p reports device_kind "TPU v5"
+  DevicePeak("TPU v6 lite", 918.0, 1640.0, hbm_gib=31.25),
+  DevicePeak("TPU v6e", 918.0, 1640.0, hbm_gib=31.25),
   DevicePeak("A100-SXM4-80GB", 312.0, 2039.0),
   DevicePeak("A100-SXM4-40GB", 312.0, 1555.0),
   DevicePeak("A100", 312.0, None),
@@ -63,6 +66,19 @@ def peak_bandwidth_gbps(device_kind: str, memory_bandwidth_gbps: float = 0.0) ->
     return memory_bandwidth_gbps
   row = device_peak(device_kind)
   return None if row is None else row.memory_gbps
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+  """Bytes a program may use on `device`: what its backend reports (GPUs, TPUs attached here), else the HBM of
+  DEVICE_PEAKS (a topology's compile-only TPU devices report nothing), else None (a CPU: no fixed limit)."""
+  try:
+    stats = device.memory_stats() or {}
+  except jax.errors.JaxRuntimeError:  # A topology's compile-only devices raise instead of returning None.
+    stats = {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  row = device_peak(device.device_kind)
+  return None if row is None or row.hbm_gib is None else int(row.hbm_gib * 2**30)
 
 
 @dataclasses.dataclass(frozen=True)

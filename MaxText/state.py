@@ -6,6 +6,7 @@ creates every array already in place.
 """
 
 import dataclasses
+import math
 
 import jax
 import optax
@@ -13,7 +14,7 @@ from flax import linen as nn
 from flax import struct
 from jax.sharding import Mesh
 
-from MaxText import sharding
+from MaxText import common_types, sharding
 from MaxText.common_types import Config
 from MaxText.layers import models
 
@@ -34,9 +35,21 @@ class StateLayout:
 
 
 def init_params(model: nn.Module, config: Config, rng: jax.Array):
-  """Boxed (logically partitioned) params of `model`, for a batch of one row."""
-  tokens, segments, positions = models.init_inputs(1, config.max_target_length)
+  """Boxed (logically partitioned) params of `model`, for a dummy batch of one row per shard of the batch.
+
+  The parameters' shapes do not depend on the batch, but a kernel that splits it over the mesh (splash
+  attention under shard_map, on TPUs) needs whole shards, even at init.
+  """
+  tokens, segments, positions = models.init_inputs(_batch_shards(config), config.max_target_length)
   return model.init({"params": rng, "dropout": rng}, tokens, segments, positions)["params"]
+
+
+def _batch_shards(config: Config) -> int:
+  """Into how many shards the mesh splits a batch (the mesh axes of `activation_batch`)."""
+  axes = sharding.logical_to_mesh_spec((common_types.BATCH,), config)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  size = dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
+  return math.prod(size[axis] for axis in axes)
 
 
 def _boxed_state(model, config, tx, rng) -> TrainState:

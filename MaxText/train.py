@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from MaxText import checkpointing, cli, input_pipeline, metrics, optimizers, sharding  # noqa: E402
+from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, sharding  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
@@ -226,8 +226,21 @@ def train(config: Config, devices=None) -> TrainSummary:
       manager.close()
 
 
-def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: state_lib.StateLayout) -> Run:
-  """Compiles the step ahead of time, in the background while the state is restored or initialised."""
+@dataclasses.dataclass(frozen=True)
+class JittedStep:
+  """train_step jitted for a mesh, and the abstract arguments it is lowered for: what train.py runs and what
+  train_compile.py compiles for a TPU topology."""
+
+  fn: Callable  # jax.jit of (state, batch) -> (state, metrics), the state donated
+  abstract_state: state_lib.TrainState  # ShapeDtypeStructs with shardings
+  abstract_batch: dict[str, jax.ShapeDtypeStruct]  # BATCH_KEYS -> [global_batch_size, max_target_length] int32
+
+  def lower(self) -> jax.stages.Lowered:
+    return self.fn.lower(self.abstract_state, self.abstract_batch)
+
+
+def jit_train_step(config: Config, mesh, *, model, schedule, tx, layout: state_lib.StateLayout) -> JittedStep:
+  """train_step with the state's and the batch's shardings on `mesh`, the state donated."""
   batch_sharding = sharding.batch_sharding(mesh, config)
   step_fn = jax.jit(
     lambda s, b: train_step(model, config, tx, schedule, s, b),
@@ -238,10 +251,26 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
   batch_shape = jax.ShapeDtypeStruct(
     (config.global_batch_size, config.max_target_length), jnp.int32, sharding=batch_sharding
   )
-  abstract_batch = dict.fromkeys(input_pipeline.BATCH_KEYS, batch_shape)
+  return JittedStep(step_fn, layout.abstract, dict.fromkeys(input_pipeline.BATCH_KEYS, batch_shape))
+
+
+def compile_step(lowered: jax.stages.Lowered, mesh) -> jax.stages.Compiled:
+  """Compiles a lowered step with the options of the mesh's platform (cli.compiler_options)."""
+  return lowered.compile(cli.compiler_options(mesh))
+
+
+def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: state_lib.StateLayout) -> Run:
+  """Compiles the step ahead of time, in the background while the state is restored or initialised; or loads
+  the one train_compile.py wrote to compiled_trainstep_file, once it is checked to be this run's."""
+  batch_sharding = sharding.batch_sharding(mesh, config)
+  step = jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    lowered = step_fn.lower(layout.abstract, abstract_batch)  # Tracing holds the GIL: do it first, here.
-    compiling = pool.submit(lambda: lowered.compile(cli.compiler_options(mesh)))
+    lowered = step.lower()  # Tracing holds the GIL: do it first, here.
+    if config.compiled_trainstep_file:
+      loaded = compiled_step.load(config.compiled_trainstep_file, config, mesh, lowered)  # Before any work.
+      compiling = pool.submit(lambda: loaded)
+    else:
+      compiling = pool.submit(compile_step, lowered, mesh)
     start = checkpointing.restore_or_init(config, manager, model, tx, layout)
     first_step = int(jax.device_get(start.state.step))
     cli.write_resolved_config(config, checkpointing.run_dir(config))
@@ -252,13 +281,13 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
       data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
       if start.resumed and config.dataset_type != "synthetic":
         checkpointing.restore_data(config, manager, first_step, data)
-    compiled_step = compiling.result()
+    compiled = compiling.result()
   eval_fn = jax.jit(
     lambda p, b: eval_step(model, p, b),
     in_shardings=(layout.shardings.params, batch_sharding),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )
-  return Run(config, mesh, manager, compiled_step, eval_fn, start.state, first_step, data)
+  return Run(config, mesh, manager, compiled, eval_fn, start.state, first_step, data)
 
 
 def _loop(run: Run) -> TrainSummary:

@@ -6,10 +6,13 @@
 the training step's TFLOP/s in docs/PERFORMANCE.md is read.
 """
 
+import os
 import time
 
-import jax
-import jax.numpy as jnp
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # A CPU benchmark: never the TPU backend, even with libtpu installed.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 
 def main():

@@ -94,6 +94,7 @@ ENTRY_POINTS = [
   "MaxText/generate_param_only_checkpoint.py",
   "MaxText/inference_microbenchmark.py",
   "MaxText/standalone_dataloader.py",
+  "MaxText/train_compile.py",
   "MaxText/tests/forward_pass_logit_checker.py",
 ]
 

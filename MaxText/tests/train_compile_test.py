@@ -1,0 +1,266 @@
+"""train_compile.py, tpu_topology.py and compiled_step.py: TPU slices by name, the step compiled for them through
+libtpu (its memory, collectives and does-not-fit verdict), and the compiled step's file loaded by train.py.
+
+The tests that compile for a TPU need libtpu (`TPU_COMPILE=1 bash setup.sh`) and are skipped without it; each
+compiles the tiny model for a small slice in a few seconds. The file's round trip runs on this host's CPU devices.
+"""
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import compiled_step, metrics, optimizers, pyconfig, sharding, tpu_topology, train, train_compile
+from MaxText import state as state_lib
+from MaxText.common_types import ConfigError
+from MaxText.layers import models
+from MaxText.tests.helpers import BASE_YML, overrides, run
+from MaxText.tests.helpers import config as config_of
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (TPU_COMPILE=1 bash setup.sh installs it)"
+)
+GiB = 2**30
+
+
+def _tpu_config(*args, topology="v5e-4"):
+  """The tiny model finalized for a TPU slice, as train_compile.py loads it: dot_product (any batch split), and
+  bfloat16 at the default precision (float32 matmuls at `highest` take the TPU compiler ten times longer)."""
+  tpu = (f"compile_topology={topology}", "attention=dot_product", "dtype=bfloat16", "matmul_precision=default")
+  return train_compile.load_config([BASE_YML, *overrides(*tpu, *args)])
+
+
+# ---------------------------------------------------------------------------------------------- topology names
+@pytest.mark.parametrize(
+  "name, libtpu_name, chip_config, chips_per_host, devices",
+  [
+    # MaxText's accelerator_to_spec_map.py gives these topology strings and host bounds.
+    ("v5e-1", "v5e:1x1", "default", (1, 1, 1), 1),
+    ("v5e-8", "v5e:2x4", "default", (2, 2, 1), 8),
+    ("v5e-256", "v5e:16x16", "default", (2, 2, 1), 256),
+    ("v6e-128", "v6e:8x16", "default", (2, 2, 1), 128),
+    ("v4-8", "v4:2x2x1", "megacore", (2, 2, 1), 4),
+    ("v4-384", "v4:4x4x12", "megacore", (2, 2, 1), 192),
+    ("v4-4096", "v4:8x16x16", "megacore", (2, 2, 1), 2048),
+    ("v5p-64", "v5:2x4x4", "megacore", (2, 2, 1), 32),
+    ("v5p-640", "v5:4x4x20", "megacore", (2, 2, 1), 320),
+    ("v5p-1152", "v5:4x12x12", "megacore", (2, 2, 1), 576),
+    ("v5p-9216", "v5:12x16x24", "megacore", (2, 2, 1), 4608),
+    ("v5p-12288", "v5:16x16x24", "megacore", (2, 2, 1), 6144),
+  ],
+)
+def test_topology_names_give_cloud_tpu_slices(name, libtpu_name, chip_config, chips_per_host, devices):
+  topology = tpu_topology.parse(name)
+  assert (topology.libtpu_name, topology.chip_config, topology.chips_per_host) == (libtpu_name, chip_config, chips_per_host)
+  assert topology.chips == devices
+
+
+def test_every_v5p_name_is_a_box_of_its_chips_no_longer_than_another():
+  """Independent of how parse searches: every accepted v5p-N has N/2 chips in whole 4x4x4 cubes (from 64 chips),
+  no side over 256, and no box of the same cubes has a shorter longest side."""
+  accepted = []
+  for n in range(128, 12289, 128):
+    try:
+      shape = tpu_topology.parse(f"v5p-{n}").shape
+    except ConfigError:
+      continue
+    accepted.append(n)
+    assert math.prod(shape) == n // 2 and all(side % 4 == 0 for side in shape) and max(shape) <= 256
+    cubes = n // 2 // 64
+    shortest = min(
+      max(a, b, cubes // (a * b)) for a in range(1, cubes + 1) for b in range(1, cubes + 1) if cubes % (a * b) == 0
+    )
+    assert max(shape) == 4 * shortest, (n, shape)
+  assert len(accepted) == 96 - 6  # MaxText's list has all but v5p-8576, 9088, 9344, 10112, 10624, 11392.
+
+
+@pytest.mark.parametrize("name", ["v5e-2", "v5e-512", "v6e-3", "v4-4", "v4-8192", "v5p-12", "v5p-8576", "v7-8", "tpu"])
+def test_a_bad_topology_name_is_a_config_error_listing_the_valid_forms(name):
+  with pytest.raises(ConfigError, match=r"use v5e-N or v6e-N .* v5p-N"):
+    tpu_topology.parse(name)
+
+
+def test_without_libtpu_a_topology_is_a_config_error_saying_how_to_install_it(monkeypatch):
+  monkeypatch.setattr(tpu_topology.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(ConfigError, match="TPU_COMPILE=1 bash setup.sh"):
+    tpu_topology.devices(tpu_topology.parse("v5e-4"))
+
+
+@pytest.mark.parametrize("slices", ["0", "-2"])
+def test_compile_topology_num_slices_must_be_positive(slices):
+  with pytest.raises(ConfigError, match="compile_topology_num_slices"):
+    _tpu_config(f"compile_topology_num_slices={slices}")
+
+
+# ---------------------------------------------------------------------------------------------- the report
+@pytest.mark.parametrize(
+  "message, needed, available",
+  [
+    (
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 15.88G of "
+      "15.75G hbm. Exceeded hbm capacity by 135.6M.",
+      15.88 * GiB,
+      15.75 * GiB,
+    ),  # fmt: skip
+    (
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (160.00G) exceeds "
+      "available HBM (15.75G).",
+      160 * GiB,
+      15.75 * GiB,
+    ),  # fmt: skip
+    ("RESOURCE_EXHAUSTED: out of memory somewhere", None, None),
+  ],
+)
+def test_xla_running_out_of_hbm_is_read_from_either_message(message, needed, available):
+  got = compiled_step.out_of_memory(RuntimeError(message))
+  assert got == pytest.approx((needed, available)) if needed else got == (None, None)
+
+
+def test_other_compile_errors_are_not_out_of_memory():
+  assert compiled_step.out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes do not match")) is None
+
+
+def test_collectives_are_counted_sync_and_async_by_opcode():
+  hlo = """
+  %all-gather.1 = bf16[8,64] all-gather(%p), dimensions={0}
+  %ag-start = (bf16[2], bf16[8]) all-gather-start(%q), dimensions={0}
+  %ag-done = bf16[8] all-gather-done(%ag-start)
+  %rs = f32[2] reduce-scatter(%g), dimensions={0}
+  %get-tuple-element.3 = f32[] get-tuple-element(%all-reduce.43), index=0
+  %cp = f32[2] collective-permute-start(%x)
+  """
+  assert compiled_step.count_collectives(hlo) == {
+    "all-gather": 2,
+    "reduce-scatter": 1,
+    "all-reduce": 0,
+    "all-to-all": 0,
+    "collective-permute": 1,
+  }
+
+
+def _shard_bytes(x):
+  return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+@needs_libtpu
+def test_a_tiny_model_compiles_for_v5e_and_its_arguments_are_the_state_and_batch_shards():
+  # Dimensions in whole TPU tiles (8 x 128), so the only layout padding is that of the scalars.
+  cfg = _tpu_config(
+    "override_model_config=true", "base_emb_dim=256", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=128",
+    "base_mlp_dim=512", "vocab_size=256", "max_target_length=128", "ici_fsdp_parallelism=4",
+  )  # fmt: skip
+  compiled, report, mesh = train_compile.compile_train_step(cfg)
+  assert mesh.devices.flat[0].platform == "tpu" and mesh.devices.size == 4 and cfg.hardware == "tpu"
+  model = models.Transformer(cfg, mesh)
+  schedule = optimizers.learning_rate_schedule(cfg)
+  tx = optimizers.create_optimizer(cfg, schedule)
+  step = train.jit_train_step(
+    cfg, mesh, model=model, schedule=schedule, tx=tx, layout=state_lib.state_layout(model, cfg, tx, mesh)
+  )
+  state = sum(_shard_bytes(x) for x in jax.tree_util.tree_leaves(step.abstract_state))
+  batch = sum(_shard_bytes(x) for x in step.abstract_batch.values())
+  # Scalars (step, Adam's count) take a 512-byte tile each: a few KiB of padding at most.
+  assert 0 <= report.arguments - (state + batch) <= 4096
+  assert 0 <= report.aliased - state <= 4096  # The donated state is overwritten by the new one.
+  assert report.hbm == 15.75 * GiB and report.fits and report.total < report.hbm
+  assert report.temporaries > 0 and report.generated_code > 0 and report.flops > 0
+  assert report.model_flops == metrics.training_flops_per_device(cfg).total
+  lines = "\n".join(report.lines())
+  for field in ("arguments", "outputs", "temporaries", "total", "15.75 GiB HBM: fits", "FLOPs", "all-gather"):
+    assert field in lines
+  assert "TPU v5 lite" in report.target
+
+
+@needs_libtpu
+def test_fsdp_gathers_the_parameters_where_data_parallelism_reduces_the_gradients_only():
+  _, fsdp, _ = train_compile.compile_train_step(_tpu_config("ici_fsdp_parallelism=4"))
+  _, data, _ = train_compile.compile_train_step(_tpu_config("ici_fsdp_parallelism=1", "ici_data_parallelism=4"))
+  assert fsdp.collectives["all-gather"] > 0
+  assert data.collectives["all-gather"] == 0 and data.collectives["all-reduce"] > 0
+
+
+@needs_libtpu
+def test_two_slices_compile_over_dcn():
+  cfg = _tpu_config("compile_topology_num_slices=2", "dcn_data_parallelism=2")
+  assert (cfg.num_devices, cfg.num_slices) == (8, 2)
+  _, report, mesh = train_compile.compile_train_step(cfg)
+  assert {d.slice_index for d in mesh.devices.flat} == {0, 1}
+  assert dict(mesh.shape)["data"] == 2 and report.collectives["all-reduce"] > 0
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_exits_1_with_one_line(capsys):
+  # The [batch, length, vocab] float32 logits alone are 16 x 2048 x 256000 x 4 bytes = 31 GiB per chip.
+  big = ("dtype=bfloat16", "override_model_config=true", "vocab_size=256000", "max_target_length=2048")
+  argv = ["train_compile.py", BASE_YML, *overrides("compile_topology=v5e-4", "attention=dot_product", *big)]
+  argv.append("per_device_batch_size=16")
+  code = train_compile.main(argv)
+  err = capsys.readouterr().err
+  assert code == 1 and err.count("\n") == 1
+  assert err.startswith("error: does not fit: ") and "GiB per chip > 15.75 GiB HBM of v5e; try " in err
+
+
+# ---------------------------------------------------------------------------------------------- the file
+TRAIN = (
+  "steps=3",
+  "learning_rate_schedule_steps=3",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0",
+  "ici_fsdp_parallelism=4",
+  "ici_data_parallelism=2",
+)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_file_loads_in_train_and_gives_the_same_losses(tmp_path):
+  """train_compile.py (a process of its own: it never compiles through the tests' persistent cache) compiles for
+  8 CPU devices (an empty compile_topology) and writes the file; train.train loads it and trains as it would."""
+  path = str(tmp_path / "step.bin")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  args = [sys.executable, "MaxText/train_compile.py", BASE_YML, *overrides(*TRAIN, f"compiled_trainstep_file={path}")]
+  proc = run(args, env, timeout=120)
+  assert proc.returncode == 0 and "Wrote the compiled step" in proc.stdout, proc.stderr
+  config = functools.partial(config_of, f"base_output_directory={tmp_path}", num_devices=8)
+  loaded = train.train(config(*TRAIN, f"compiled_trainstep_file={path}", "run_name=loaded"))
+  fresh = train.train(config(*TRAIN, "run_name=fresh"))
+  assert len(loaded.losses) == 3
+  np.testing.assert_array_equal([loss for _, loss in loaded.losses], [loss for _, loss in fresh.losses])
+
+
+def _write_step_file(path, cfg, devices):
+  """A file with the fingerprint of (cfg, devices) and no executable: enough to test the checks made before loading."""
+  mesh = sharding.create_mesh(cfg, devices)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(json.dumps(compiled_step.fingerprint(cfg, mesh)) + "\nno executable")
+
+
+def test_a_step_file_for_another_step_is_a_config_error_before_any_work(tmp_path):
+  path = tmp_path / "step.bin"
+  _write_step_file(path, config_of(*TRAIN, num_devices=8), jax.devices())
+  config = functools.partial(config_of, f"base_output_directory={tmp_path}", f"compiled_trainstep_file={path}")
+  with pytest.raises(ConfigError, match=r"compiled for another step: .*per_device_batch_size=2.0 there, 4.0 here"):
+    train.train(config(*TRAIN, "per_device_batch_size=4", num_devices=8))
+  with pytest.raises(ConfigError, match=r"learning_rate_schedule_steps=3 there, 5 here"):  # The schedule is compiled in.
+    train.train(config(*TRAIN, "learning_rate_schedule_steps=5", num_devices=8))
+  with pytest.raises(ConfigError, match=r"it is for 8 x cpu \(cpu\) in 1 slice\(s\), this run has 4 x cpu"):
+    train.train(config(*TRAIN[:-1], num_devices=4), jax.devices()[:4])
+  with pytest.raises(ConfigError, match="no such file"):
+    train.train(config(*TRAIN, f"compiled_trainstep_file={tmp_path}/missing.bin", num_devices=8))
+  (tmp_path / "other.bin").write_bytes(b"not a step\n")
+  with pytest.raises(ConfigError, match="not a train step written by train_compile.py"):
+    train.train(config(*TRAIN, f"compiled_trainstep_file={tmp_path}/other.bin", num_devices=8))
+  assert not (tmp_path / "test").exists()  # Refused before the run wrote anything.
+
+
+def test_a_fingerprint_leaves_out_keys_that_do_not_shape_the_step():
+  cfg = pyconfig.load([BASE_YML, *overrides()], num_devices=1, env={})
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * 6), tuple(cfg.mesh_axes))
+  keys = compiled_step.fingerprint(cfg, mesh)["config"]
+  assert {"run_name", "steps", "metrics_file", "dataset_type", "ici_fsdp_parallelism"}.isdisjoint(keys)
+  assert {"emb_dim", "per_device_batch_size", "learning_rate_schedule_steps", "ici_mesh_shape", "remat_policy"} <= set(keys)

@@ -1,0 +1,112 @@
+"""Ahead-of-time compilation of the train step for a TPU slice that is not here:
+
+  python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 compile_topology_num_slices=1 \\
+    [compiled_trainstep_file=PATH] [key=value ...]
+
+It compiles train.py's own step (train.jit_train_step and train.compile_step: the same function, shardings and
+compiler options) for compile_topology (tpu_topology.py's names) through libtpu, on this host's CPU, and prints per
+device the memory the step needs against the chip's HBM, its FLOPs and its collectives. Exit code 0 when it fits;
+1 and one line (`does not fit: ...`) when it does not, whether XLA refuses to compile it or the compiled step
+needs more than the chip has; 2 for a config mistake. With compiled_trainstep_file=PATH it also writes the
+executable, which `train.py compiled_trainstep_file=PATH` on that slice loads instead of compiling.
+
+An empty compile_topology compiles for this host's own devices, as train.py would (the file then loads in a
+train.py run here: the tests check the file that way on the CPU).
+
+This script imports train.py, the one script another script imports: what it compiles must be train.py's step
+itself, not a copy.
+"""
+
+import functools
+import sys
+import time
+
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
+
+import jax  # noqa: E402
+
+from MaxText import cli, compiled_step, optimizers, pyconfig, sharding, tpu_topology, train  # noqa: E402
+from MaxText import state as state_lib  # noqa: E402
+from MaxText.cli import TrainingError  # noqa: E402
+from MaxText.common_types import Config, ConfigError  # noqa: E402
+from MaxText.layers import models  # noqa: E402
+
+
+def load_config(argv) -> Config:
+  """The config finalized for compile_topology's devices (hardware=tpu), or for this host's when it is empty."""
+  values = pyconfig.parse(argv)
+  slices = _num_slices(values)
+  if not values["compile_topology"]:
+    if slices != 1:
+      raise ConfigError(f"compile_topology_num_slices={slices} needs a compile_topology, e.g. compile_topology=v5e-256")
+    return cli.load_config(argv)  # This host's devices, set up as for train.py.
+  jax.config.update("jax_platforms", "cpu")  # The slice's devices come from libtpu; JAX itself stays on the CPU.
+  devices = _topology_devices(values["compile_topology"], slices)
+  # Hardware-dependent choices (attention kernels, ...) follow the mesh's devices; hardware=tpu says so too.
+  return pyconfig.finalize({**values, "hardware": "tpu"}, num_devices=len(devices), num_slices=slices)
+
+
+def _num_slices(values) -> int:
+  slices = values["compile_topology_num_slices"]
+  if slices == 0 or slices < -1:
+    raise ConfigError(f"compile_topology_num_slices={slices} must be positive (or -1 for one slice)")
+  return 1 if slices == -1 else slices
+
+
+@functools.cache
+def _topology_devices(name: str, num_slices: int) -> list[jax.Device]:
+  return tpu_topology.devices(tpu_topology.parse(name), num_slices)
+
+
+def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_step.StepReport, jax.sharding.Mesh]:
+  """(compiled step, its report, mesh); TrainingError with the does-not-fit line when XLA runs out of HBM."""
+  if config.compile_topology:
+    devices = _topology_devices(config.compile_topology, config.num_slices)
+    chip = tpu_topology.parse(config.compile_topology).generation
+    slices = f"{config.num_slices} slice{'s' if config.num_slices > 1 else ''}"
+    target = f"{config.compile_topology} ({len(devices)} x {devices[0].device_kind}, {slices})"
+  else:
+    devices = jax.devices()
+    chip = devices[0].device_kind
+    target = f"this host ({len(devices)} x {chip})"
+  mesh = sharding.create_mesh(config, devices)
+  missing = sharding.missing_rules(config)
+  if missing:
+    raise ConfigError(f"logical_axis_rules has no rule for {missing}; add [name, [mesh axes]] entries for them")
+  # As train.train builds them.
+  model = models.Transformer(config, mesh)
+  schedule = optimizers.learning_rate_schedule(config)
+  tx = optimizers.create_optimizer(config, schedule)
+  layout = state_lib.state_layout(model, config, tx, mesh)
+  start = time.time()
+  lowered = train.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout).lower()
+  try:
+    compiled = train.compile_step(lowered, mesh)
+  except jax.errors.JaxRuntimeError as e:
+    needed = compiled_step.out_of_memory(e)
+    if needed is None:
+      raise
+    raise TrainingError(compiled_step.does_not_fit_line(*needed, chip, config)) from None
+  return compiled, compiled_step.report(compiled, config, mesh, target, chip, time.time() - start), mesh
+
+
+def _main(config: Config) -> None:
+  compiled, report, mesh = compile_train_step(config)
+  cli.log("\n".join(report.lines()))
+  if not report.fits:
+    raise TrainingError(report.does_not_fit(config))
+  if config.compiled_trainstep_file:
+    compiled_step.save(config.compiled_trainstep_file, compiled, config, mesh)
+    cli.log(f"Wrote the compiled step to {config.compiled_trainstep_file}")
+
+
+def main(argv) -> int:
+  return cli.run_cli(_main, argv, load=load_config)
+
+
+if __name__ == "__main__":
+  # Never through the persistent compilation cache: a CPU executable read back from it serializes incompletely
+  # (jax 0.10.2: "Function ... not found" when the loaded step runs), and a cached compile time says nothing.
+  jax.config.update("jax_enable_compilation_cache", False)
+  sys.exit(main(sys.argv))
