@@ -164,6 +164,8 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 def does_not_fit_line(used: float | None, hbm: float | None, chip: str, config: Config) -> str:
   """The one line train_compile.py exits with when the step needs more memory than a device has (None: unknown)."""
   tries = ["a smaller per_device_batch_size"] if config.per_device_batch_size > 1 else []
+  if config.attention == "dot_product":
+    tries.append("attention=flash")
   if config.remat_policy != "full":
     tries.append("remat_policy=full")
   if config.ici_mesh_shape[config.mesh_axes.index("fsdp")] < config.num_devices // config.num_slices:
@@ -171,7 +173,8 @@ def does_not_fit_line(used: float | None, hbm: float | None, chip: str, config: 
   tries.append("a larger topology")
   hbm_text = "its HBM" if hbm is None else f"{hbm / GiB:.2f} GiB HBM"
   needed = "more than" if used is None else f"{used / GiB:.2f} GiB per chip >"
-  return f"does not fit: {needed} {hbm_text} of {chip}; try {', '.join(tries[:-1])} or {tries[-1]}"
+  tries = f"{', '.join(tries[:-1])} or {tries[-1]}" if len(tries) > 1 else tries[0]
+  return f"does not fit: {needed} {hbm_text} of {chip}; try {tries}"
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
