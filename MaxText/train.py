@@ -62,7 +62,7 @@ def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL)
   its share of every chunk whether the batch or the length is sharded.
   """
   n = config.num_vocab_tiling
-  b, length, e = hidden_BLE.shape
+  b, length = hidden_BLE.shape[:2]
 
   def chunks(x):  # [batch, length, ...] -> [n, batch, length / n, ...]
     return jnp.moveaxis(x.reshape(b, length // n, n, *x.shape[2:]), 2, 0)
@@ -198,9 +198,9 @@ class Run:
     return checkpointing.run_dir(self.config)
 
 
-def train(config: Config, devices=None) -> TrainSummary:
-  """Runs the training loop on `devices` (default: all); returns what it did."""
-  checkpointing.run_dir(config)  # An empty run_name is refused before any work.
+def build(config: Config, devices=None):
+  """(mesh, model, schedule, tx, layout) of a run on `devices` (default: all): what train() and train_compile.py
+  build the step from."""
   mesh = sharding.create_mesh(config, devices)
   missing = sharding.missing_rules(config)
   if missing:
@@ -208,7 +208,13 @@ def train(config: Config, devices=None) -> TrainSummary:
   model = models.Transformer(config, mesh)
   schedule = optimizers.learning_rate_schedule(config)
   tx = optimizers.create_optimizer(config, schedule)
-  layout = state_lib.state_layout(model, config, tx, mesh)
+  return mesh, model, schedule, tx, state_lib.state_layout(model, config, tx, mesh)
+
+
+def train(config: Config, devices=None) -> TrainSummary:
+  """Runs the training loop on `devices` (default: all); returns what it did."""
+  checkpointing.run_dir(config)  # An empty run_name is refused before any work.
+  mesh, model, schedule, tx, layout = build(config, devices)
   checkpointing.check_start_paths(config, layout)  # Before anything is written.
   input_pipeline.check(config)
   checkpointing.check_shared_run_dir(config)
@@ -262,7 +268,6 @@ def compile_step(lowered: jax.stages.Lowered, mesh) -> jax.stages.Compiled:
 def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: state_lib.StateLayout) -> Run:
   """Compiles the step ahead of time, in the background while the state is restored or initialised; or loads
   the one train_compile.py wrote to compiled_trainstep_file, once it is checked to be this run's."""
-  batch_sharding = sharding.batch_sharding(mesh, config)
   step = jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     lowered = step.lower()  # Tracing holds the GIL: do it first, here.
@@ -284,7 +289,7 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
     compiled = compiling.result()
   eval_fn = jax.jit(
     lambda p, b: eval_step(model, p, b),
-    in_shardings=(layout.shardings.params, batch_sharding),
+    in_shardings=(layout.shardings.params, step.abstract_batch["inputs"].sharding),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )
   return Run(config, mesh, manager, compiled, eval_fn, start.state, first_step, data)

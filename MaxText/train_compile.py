@@ -26,11 +26,9 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax  # noqa: E402
 
-from MaxText import cli, compiled_step, optimizers, pyconfig, sharding, tpu_topology, train  # noqa: E402
-from MaxText import state as state_lib  # noqa: E402
+from MaxText import cli, compiled_step, pyconfig, tpu_topology, train  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
-from MaxText.layers import models  # noqa: E402
 
 
 def load_config(argv) -> Config:
@@ -70,15 +68,7 @@ def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_st
     devices = jax.devices()
     chip = devices[0].device_kind
     target = f"this host ({len(devices)} x {chip})"
-  mesh = sharding.create_mesh(config, devices)
-  missing = sharding.missing_rules(config)
-  if missing:
-    raise ConfigError(f"logical_axis_rules has no rule for {missing}; add [name, [mesh axes]] entries for them")
-  # As train.train builds them.
-  model = models.Transformer(config, mesh)
-  schedule = optimizers.learning_rate_schedule(config)
-  tx = optimizers.create_optimizer(config, schedule)
-  layout = state_lib.state_layout(model, config, tx, mesh)
+  mesh, model, schedule, tx, layout = train.build(config, devices)
   start = time.time()
   lowered = train.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout).lower()
   try:

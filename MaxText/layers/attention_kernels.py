@@ -357,7 +357,6 @@ def splash_attention(
   """
   b, t, h, d = q.shape
   block_sizes = splash_block_sizes(config, t)
-  precision = PRECISIONS[config.matmul_precision]
   static = _is_static(window)
   local_window = int(window) if static else config.sliding_window_size
 
@@ -369,19 +368,7 @@ def splash_attention(
 
     if static:
       return run(local_window)()
-    fallback = functools.partial(
-      blockwise_attention,
-      q,
-      k,
-      v,
-      segment_ids,
-      positions,
-      block_q=config.sa_block_q,
-      block_kv=config.sa_block_kv,
-      window=window,
-      cap=cap,
-      precision=precision,
-    )
+    fallback = functools.partial(_configured_blockwise, q, k, v, segment_ids, positions, config, window, cap)
     branches = [run(0)] + ([run(local_window), fallback] if local_window > 0 else [fallback])
     index = jnp.where(window <= 0, 0, jnp.where(window == local_window, 1, len(branches) - 1))
     return jax.lax.switch(index, branches)
@@ -528,6 +515,12 @@ def _flash(q, k, v, segment_ids, positions, *, config, mesh, window, cap, name, 
   del name
   if platform == "tpu":
     return splash_attention(q, k, v, segment_ids, positions, config=config, mesh=mesh, window=window, cap=cap)
+  return _configured_blockwise(q, k, v, segment_ids, positions, config, window, cap)
+
+
+def _configured_blockwise(q, k, v, segment_ids, positions, config, window, cap):
+  """blockwise_attention with the config's block sizes (sa_block_q, sa_block_kv) and matmul precision."""
+  precision = PRECISIONS[config.matmul_precision]
   return blockwise_attention(
     q,
     k,
@@ -538,7 +531,7 @@ def _flash(q, k, v, segment_ids, positions, *, config, mesh, window, cap, name, 
     block_kv=config.sa_block_kv,
     window=window,
     cap=cap,
-    precision=PRECISIONS[config.matmul_precision],
+    precision=precision,
   )
 
 

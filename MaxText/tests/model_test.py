@@ -124,6 +124,13 @@ def _loss_and_grads(cfg, params, batch):
   return fn(params)
 
 
+def _assert_same_loss_and_grads(cfg, reference_cfg, params, batch):
+  """Two configs of one model give the same float32 loss and gradients on `batch`."""
+  (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, params, batch), _loss_and_grads(reference_cfg, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+
+
 def _unstack_layers(params, num_layers):
   """Scanned params (leading `layers` axis under 'layers') -> unrolled params ('layers_0', ...)."""
   params = dict(params)
@@ -154,9 +161,7 @@ def test_unrolled_remat_matches_no_remat():
   reference_cfg = config("scan_layers=false", "remat_policy=none", "max_target_length=32")
   _, params = _init(cfg)
   batch = _batch(cfg)
-  (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, params, batch), _loss_and_grads(reference_cfg, params, batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+  _assert_same_loss_and_grads(cfg, reference_cfg, params, batch)
 
 
 def test_cpu_compiler_options_keep_loss_and_grads():
@@ -262,10 +267,7 @@ def test_fused_projections_equal_separate_ones(fused):
   cfg = config(*heads, *fused)
   _, params = _init(cfg)
   batch = _batch(cfg)
-  loss, grads = _loss_and_grads(cfg, params, batch)
-  ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+  _assert_same_loss_and_grads(cfg, reference_cfg, params, batch)
 
 
 def test_fused_qkv_is_refused_for_grouped_query_attention():
@@ -312,10 +314,7 @@ def test_vocab_tiling_equals_untiled_loss_and_grads(extra):
   batch = dict(_batch(cfg))
   batch["targets_segmentation"] = batch["targets_segmentation"].copy()
   batch["targets_segmentation"][1, 20:] = 0
-  loss, grads = _loss_and_grads(tiled_cfg, params, batch)
-  ref_loss, ref_grads = _loss_and_grads(cfg, params, batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+  _assert_same_loss_and_grads(tiled_cfg, cfg, params, batch)
 
 
 def test_vocab_tiling_must_divide_the_length():
@@ -360,10 +359,7 @@ def test_flash_attention_model_equals_dot_product(family):
   segments[1, 40:] = 0
   positions = np.stack([np.r_[np.arange(20), np.arange(28)], np.arange(48)]).astype(np.int32)
   batch.update(inputs_segmentation=segments, targets_segmentation=segments, inputs_position=positions)
-  loss, grads = _loss_and_grads(cfg, params, batch)
-  ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  jax.tree_util.tree_map(assert_grads_close, grads, ref_grads)
+  _assert_same_loss_and_grads(cfg, reference_cfg, params, batch)
 
 
 def test_attention_kernel_mistakes_are_config_errors():
