@@ -50,8 +50,38 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   mask_BL = batch["targets_segmentation"] != 0
   if config.num_vocab_tiling > 1:
     return tiled_cross_entropy(config, params, outputs, batch["targets"], mask_BL), jnp.sum(mask_BL)
-  xent_BL = optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), batch["targets"])
+  xent_BL = cross_entropy(outputs, batch["targets"])
   return jnp.sum(jnp.where(mask_BL, xent_BL, 0.0)), jnp.sum(mask_BL)
+
+
+@jax.custom_vjp
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Per-token cross-entropy in float32 of logits [..., vocab] (any float dtype) and integer targets [...].
+
+  The value of optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), targets), computed without
+  a float32 copy of the logits: reductions and the gradient (softmax - one-hot, one fused pass written in the
+  logits' dtype) read them as they are. The logits are the step's largest tensor, so this is most of the cost
+  of the loss on a CPU.
+  """
+  return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits, targets):
+  peak = jnp.max(logits, axis=-1).astype(jnp.float32)  # Exact in any dtype.
+  lse = peak + jnp.log(jnp.sum(jnp.exp(logits.astype(jnp.float32) - peak[..., None]), axis=-1))
+  label_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(jnp.float32)
+  return lse - label_logit, (logits, targets, lse)
+
+
+def _cross_entropy_bwd(residuals, g):
+  logits, targets, lse = residuals
+  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+  softmax = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+  dlogits = (softmax - (vocab == targets[..., None])) * g[..., None]
+  return dlogits.astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL):
@@ -71,8 +101,7 @@ def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL)
 
   @jax.checkpoint
   def chunk_loss(hidden, targets, mask):
-    logits = head.apply({"params": head_params}, hidden).astype(jnp.float32)
-    xent = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    xent = cross_entropy(head.apply({"params": head_params}, hidden), targets)
     return jnp.sum(jnp.where(mask, xent, 0.0))
 
   def body(total, chunk):

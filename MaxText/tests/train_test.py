@@ -21,6 +21,29 @@ def _losses(summary):
   return np.array([loss for _, loss in summary.losses])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_equals_a_float64_reference(dtype):
+  """train.cross_entropy (custom gradient, no float32 copy of the logits) against NumPy in float64 on the same
+  (dtype-rounded) logits: the per-token values and the gradient of a weighted sum, whose zero weights stand for
+  padding. The gradient is returned in the logits' dtype, so bfloat16 carries its own rounding (2^-8 relative)."""
+  rng = np.random.default_rng(0)
+  logits = jax.numpy.asarray(rng.normal(0, 4, (2, 5, 37)), dtype)
+  targets = rng.integers(0, 37, (2, 5))
+  weights = rng.uniform(0, 1, (2, 5)) * (rng.uniform(size=(2, 5)) > 0.3)
+  values, grad = jax.value_and_grad(lambda x: jax.numpy.sum(weights * train.cross_entropy(x, targets)))(logits)
+
+  x = np.asarray(logits.astype("float32"), np.float64)
+  lse = np.log(np.sum(np.exp(x - x.max(-1, keepdims=True)), -1)) + x.max(-1)
+  xent = lse - np.take_along_axis(x, targets[..., None], -1)[..., 0]
+  softmax = np.exp(x - lse[..., None])
+  expected_grad = weights[..., None] * (softmax - (np.arange(37) == targets[..., None]))
+  assert grad.dtype == logits.dtype
+  np.testing.assert_allclose(np.asarray(train.cross_entropy(logits, targets)), xent, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(float(values), np.sum(weights * xent), rtol=1e-6)
+  grad_tol = 1e-6 if dtype == "float32" else 2**-8
+  np.testing.assert_allclose(np.asarray(grad.astype("float32")), expected_grad, rtol=grad_tol, atol=grad_tol * 1e-2)
+
+
 def test_gradient_accumulation_equals_one_big_batch():
   """4 micro-batches of 2 rows give the same losses and update as one batch of 8 rows (float32)."""
   common = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "ici_fsdp_parallelism=2")
