@@ -58,10 +58,10 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Per-token cross-entropy in float32 of logits [..., vocab] (any float dtype) and integer targets [...].
 
-  The value of optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), targets), computed without
-  a float32 copy of the logits: reductions and the gradient (softmax - one-hot, one fused pass written in the
-  logits' dtype) read them as they are. The logits are the step's largest tensor, so this is most of the cost
-  of the loss on a CPU.
+  The value of optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), targets), with its
+  gradient (softmax - one-hot) written by one fused pass in the logits' dtype instead of autodiff's chain of
+  float32 temporaries over [tokens, vocab], the step's largest tensor (measured in docs/PERFORMANCE.md, "Two
+  simulated CPU devices").
   """
   return _cross_entropy_fwd(logits, targets)[0]
 
