@@ -14,6 +14,7 @@ when the run restarts. What a run starts from, first match wins:
 """
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -107,6 +108,26 @@ def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
 
     items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_DataSnapshot(data_state))
   return manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+
+def out_of_space(error: BaseException | None) -> bool:
+  """Whether `error`, or an error it was raised from, is a full disk (ENOSPC), however Orbax or TensorStore
+  wrapped it (some carry only the system's text)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def complete_steps(config: Config) -> list[int]:
+  """The steps of the run's complete checkpoints, oldest first (a save in progress or cut short is still in
+  Orbax's temporary folder, whose name is not a number)."""
+  directory = checkpoint_dir(config)
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
 def reached_preemption(manager, step: int) -> bool:

@@ -81,15 +81,49 @@ def load_config(argv, writes_run_dir: bool = False) -> Config:
   distributed.initialize(values)  # A multi-process job is joined before the first device query.
   try:
     devices = jax.devices()
-  except RuntimeError as e:
+  except (RuntimeError, AssertionError) as e:  # jax 0.10 asserts when the only platform asked for is missing.
+    reason = (str(e).splitlines() or ["no backend initialised"])[0][:120]
     raise ConfigError(
-      f"hardware={values['hardware']}: no such JAX backend here ({str(e).splitlines()[0][:120]}); "
+      f"hardware={values['hardware']}: no such JAX backend here ({reason}); "
       "install its jaxlib (setup.sh DEVICE=gpu) or set hardware=cpu"
     ) from None
+  if devices[0].platform != values["hardware"]:
+    raise ConfigError(
+      f"hardware={values['hardware']} but JAX runs on {devices[0].platform} (JAX_PLATFORMS="
+      f"{os.environ.get('JAX_PLATFORMS', '')!r}); set hardware={devices[0].platform} or unset JAX_PLATFORMS"
+    )
   config = pyconfig.finalize(values, num_devices=len(devices), num_slices=sharding.count_slices(devices))
   if writes_run_dir:
     checkpointing.run_dir(config)  # Raises ConfigError for an empty run_name, before anything is written.
+    check_output_paths(config)
   return config
+
+
+def check_output_paths(config: Config) -> None:
+  """Refuses, before anything is written, a local base_output_directory or metrics_file that cannot be written
+  (a URL such as gs://... is left to its storage library). pyconfig.parse made both absolute."""
+  if not config.base_output_directory:
+    raise ConfigError("base_output_directory is empty; pass the folder that holds run folders, e.g. /tmp/maxtext_runs")
+  check_writable("base_output_directory", config.base_output_directory, folder=True)
+  if config.metrics_file:
+    check_writable("metrics_file", config.metrics_file, folder=False)
+
+
+def check_writable(key: str, path: str, folder: bool) -> None:
+  """ConfigError unless the local absolute `path` (a folder, or a file) exists as that kind and is writable, or
+  can be created: its nearest existing ancestor is a writable folder."""
+  if "://" in path:
+    return
+  if os.path.isdir(path) != folder and os.path.exists(path):
+    kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file")
+    raise ConfigError(f"{key}={path} is {kind}; pass the path of {wanted}")
+  existing = path if os.path.exists(path) else os.path.dirname(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) and existing != path:
+    raise ConfigError(f"{key}={path}: {existing} is a file, so no folder can be made there; pass another path")
+  if not os.access(existing, os.W_OK):
+    raise ConfigError(f"{key}={path}: {existing} is not writable by this user; pass a writable path")
 
 
 def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
@@ -126,6 +160,12 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+def _full_disk_is_reported_once(record: logging.LogRecord) -> bool:
+  """Drops Orbax's log records of a full disk (one traceback per writer thread); train.py reports it in one line."""
+  error = record.exc_info[1] if record.exc_info else None
+  return not checkpointing.out_of_space(error) and "No space left on device" not in record.getMessage()
+
+
 def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   """A script's exit code: runs body(config) for the command line `argv` (an int it returns is the exit code,
   anything else means 0); a user mistake (ConfigError, exit 2) or a failed run (TrainingError, exit 1) is one
@@ -136,6 +176,7 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   for the other processes while they wait for it in a collective): they see it gone and fail too.
   """
   logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
+  logging.getLogger("absl").addFilter(_full_disk_is_reported_once)
   try:
     config = load(argv[1:]) if load is not None else load_config(argv[1:], writes_run_dir)
     code = body(config)
@@ -146,6 +187,9 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   except TrainingError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     code = 1
+  except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first, see train.StopRequest).
+    print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
+    code = 130
   except Exception:
     if not jax.distributed.is_initialized():
       raise

@@ -81,6 +81,7 @@ def export(config: Config) -> str:
     raise ConfigError("hf_model_path is empty; give the folder to write the Hugging Face model to")
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ConfigError(f"hf_model_path={out} already exists and is not empty; give a new or empty folder")
+  cli.check_writable("hf_model_path", os.path.abspath(out), folder=True)
   mapping = families.hf_mapping(config)  # Before any work: a family without one cannot be exported.
   tokenizer = None
   if config.tokenizer_path:

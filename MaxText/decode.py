@@ -37,8 +37,11 @@ def read_prompts(config: Config) -> list[str]:
   path = os.path.expanduser(config.decode_prompts_file)
   if not os.path.isfile(path):
     raise ConfigError(f"decode_prompts_file={path} does not exist; give a UTF-8 file with one prompt per line")
-  with open(path, encoding="utf-8") as f:
-    prompts = [line.rstrip("\n") for line in f if line.strip()]
+  try:
+    with open(path, encoding="utf-8") as f:
+      prompts = [line.rstrip("\n") for line in f if line.strip()]
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"decode_prompts_file={path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
   if not prompts:
     raise ConfigError(f"decode_prompts_file={path} holds no prompt; write one prompt per line")
   return prompts

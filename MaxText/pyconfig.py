@@ -46,6 +46,18 @@ _NAME_OF_AXIS = {axis: name for name, axis in PARALLELISM_AXES.items()}  # mesh 
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
 UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism (no mixture-of-experts model)"}
 
+# Keys holding a local path or a URL (gs://...). A local one is made absolute once, in `parse`, against the
+# directory the command was started from: Orbax refuses relative checkpoint paths, and later code may change
+# directory.
+PATH_KEYS = (
+  "base_output_directory",
+  "load_parameters_path",
+  "load_full_state_path",
+  "metrics_file",
+  "compiled_trainstep_file",
+  "jax_cache_dir",
+)
+
 # `hardware` -> the JAX platform it runs on (cli.configure_jax sets jax_platforms from it).
 HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
@@ -69,6 +81,17 @@ def choices() -> dict[str, Collection[str]]:
   }
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+  def construct_mapping(self, node, deep=False):
+    keys = [self.construct_object(key_node, deep=deep) for key_node, _ in node.value]
+    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if twice:
+      raise yaml.YAMLError(f"key {twice[0]!r} is given twice (line {node.start_mark.line + 1}); give it once")
+    return super().construct_mapping(node, deep=deep)
+
+
 def _read_yml(path: str, seen=()) -> dict:
   """Reads a yml file, following `base_config:` (relative to the file's folder) first."""
   if not os.path.isfile(path):
@@ -77,7 +100,9 @@ def _read_yml(path: str, seen=()) -> dict:
     raise ConfigError(f"base_config loop through {path!r}; remove the cycle")
   try:
     with open(path, encoding="utf-8") as f:
-      values = yaml.safe_load(f) or {}
+      values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
   except yaml.YAMLError as e:
     raise ConfigError(f"config file {path!r} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax") from None
   if not isinstance(values, dict):
@@ -116,7 +141,7 @@ def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
       return value
     raise ConfigError(f"{key}={value!r} is not a boolean; use {key}=true or {key}=false")
   if isinstance(default, int):
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and not from_text:  # A yml's 10000.0 (e.g. imported rope_theta).
       return int(value)
     if isinstance(value, int) and not isinstance(value, bool):
       return value
@@ -215,13 +240,33 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
         )
       if key not in user:
         values[key] = typed(key, value, False)
+  for key in PATH_KEYS:
+    values[key] = absolute_path(values[key])
   _validate(values)
   return values
+
+
+def absolute_path(path: str) -> str:
+  """A local path made absolute (with ~ expanded); a URL such as gs://bucket/dir, or "", as it is."""
+  if not path or "://" in path:
+    return path
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def _check_run_name(values: Mapping) -> None:
+  """run_name names one folder under base_output_directory, so nothing that leads anywhere else."""
+  name = values["run_name"]
+  if "/" in name or "\\" in name or name in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+    raise ConfigError(
+      f"run_name={name!r} must be one plain folder name: no '/' or '\\', not '.' or '..', no control characters "
+      "(it names the run's folder under base_output_directory)"
+    )
 
 
 def _validate(values: Mapping) -> None:
   """Checks that need no devices: choices, ranges, the model's shape, the axis rules, and the family's own."""
   _check_choices(values)
+  _check_run_name(values)
   _check_model(values)
   _check_training(values)
   _check_axis_rules(values)
@@ -250,6 +295,8 @@ def _check_model(values: Mapping) -> None:
   shape = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers")
   _check_positive(values, (*shape, "head_dim", "vocab_size", "max_target_length"))
   _check_positive(values, ("rope_min_timescale", "rope_max_timescale", "rope_scaling_factor"))
+  if values["vocab_size"] >= 2**31:
+    raise ConfigError(f"vocab_size={values['vocab_size']} does not fit the int32 token ids; give a size below 2**31")
   if values["base_num_query_heads"] % values["base_num_kv_heads"]:
     raise ConfigError(
       f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
@@ -289,6 +336,14 @@ def _check_training(values: Mapping) -> None:
     raise ConfigError(
       f"eval_per_device_batch_size={values['eval_per_device_batch_size']} must be >= 0 (0: per_device_batch_size)"
     )
+  if values["learning_rate"] < 0:
+    raise ConfigError(f"learning_rate={values['learning_rate']} is negative; give a peak learning rate >= 0")
+  if values["max_num_checkpoints_to_keep"] < 0:
+    raise ConfigError(
+      f"max_num_checkpoints_to_keep={values['max_num_checkpoints_to_keep']} is negative; give a count (0 keeps all)"
+    )
+  if not -(2**31) <= values["init_weights_seed"] < 2**32:
+    raise ConfigError(f"init_weights_seed={values['init_weights_seed']} does not fit 32 bits; give a seed in [0, 2**32)")
   if values["load_parameters_path"] and values["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 

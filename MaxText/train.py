@@ -9,10 +9,14 @@ import time
 _PROCESS_START = time.time()
 
 import concurrent.futures  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -250,15 +254,70 @@ def train(config: Config, devices=None) -> TrainSummary:
 
   manager = checkpointing.create_manager(config)
   try:
-    run = _prepare(config, mesh, manager, model=model, schedule=schedule, tx=tx, layout=layout)
-    if run.data is None:
-      cli.log(f"Nothing to do: the run is already at step {run.first_step} of steps={config.steps}.")
-      return TrainSummary(first_step=run.first_step)
-    return _loop(run)
+    with _full_disk_stops_the_run(config, layout):
+      try:
+        run = _prepare(config, mesh, manager, model=model, schedule=schedule, tx=tx, layout=layout)
+        if run.data is None:
+          cli.log(f"Nothing to do: the run is already at step {run.first_step} of steps={config.steps}.")
+          return TrainSummary(first_step=run.first_step)
+        return _loop(run)
+      finally:
+        if manager is not None:
+          manager.wait_until_finished()  # The save in flight completes, or its error is raised here.
   finally:
     if manager is not None:
-      manager.wait_until_finished()
       manager.close()
+
+
+@contextlib.contextmanager
+def _full_disk_stops_the_run(config: Config, layout: state_lib.StateLayout):
+  """A save that fails for want of space ends the run with one line (_check_room refuses to start one that
+  cannot fit; this catches what it cannot foresee, at once: the loop checks Orbax's background save after every
+  step). Orbax writes into a temporary folder, so earlier checkpoints stay intact."""
+  try:
+    yield
+  except Exception as e:
+    if not checkpointing.out_of_space(e):
+      raise
+    free = shutil.disk_usage(checkpointing.checkpoint_dir(config)).free
+    raise TrainingError(_full_disk(config, _checkpoint_bytes(config, layout.abstract), free)) from None
+
+
+def _check_room(config: Config, manager, state: state_lib.TrainState) -> None:
+  """Refuses to start a local save that the disk cannot hold (measured against the newest checkpoint, or the
+  state's size for the first), so a full disk never leaves a half-written save behind. A save still in flight
+  has not taken all its space yet: when space is short, it is waited for and the disk measured again. In a
+  multi-process job the processes would have to agree, so only the error path of _full_disk_stops_the_run applies."""
+  directory = checkpointing.checkpoint_dir(config)
+  if "://" in directory or jax.process_count() > 1:
+    return
+  need = _checkpoint_bytes(config, state)
+  if shutil.disk_usage(directory).free < 2 * need:
+    manager.wait_until_finished()
+    free = shutil.disk_usage(directory).free
+    if free < need:
+      raise TrainingError(_full_disk(config, need, free))
+
+
+def _checkpoint_bytes(config: Config, state) -> int:
+  """What the next checkpoint will take: the space the newest complete one takes on disk, else the state's
+  bytes plus 64 KiB of metadata; and 1% more."""
+  steps = checkpointing.complete_steps(config)
+  if steps:
+    newest = os.path.join(checkpointing.checkpoint_dir(config), str(steps[-1]))
+    size = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(newest) for f in files)
+  else:
+    size = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)) + 2**16
+  return int(size * 1.01)
+
+
+def _full_disk(config: Config, need: int, free: int) -> str:
+  steps = checkpointing.complete_steps(config)
+  then = f"resume from checkpoint {steps[-1]}" if steps else "start afresh (no checkpoint is complete)"
+  return (
+    f"no space left on device for a checkpoint in {checkpointing.checkpoint_dir(config)} (it needs about "
+    f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free); free space, then run the same command again to {then}"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +392,7 @@ def _loop(run: Run) -> TrainSummary:
   clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, _PROCESS_START)  # Last.
   summary = TrainSummary(first_step=run.first_step)
   batch = None
+  stop = StopRequest()
   try:
     for step in range(run.first_step, config.steps):
       profiler.before_step(step)
@@ -340,10 +400,13 @@ def _loop(run: Run) -> TrainSummary:
         batch = next(run.data)
       state, step_metrics = run.step(state, batch)
       completed = step + 1
+      if manager is not None:
+        manager.check_for_errors()  # A background save that failed (a full disk) stops the run now.
       profiler.after_step(completed, state)
-      preempted = checkpointing.reached_preemption(manager, completed)
+      signal_name = "SIGTERM" if checkpointing.reached_preemption(manager, completed) else stop.signal_name
+      preempted = signal_name is not None
       save, evaluate = cadence.save(completed, preempted), cadence.evaluate(completed)
-      if not (save or evaluate or cadence.log(completed)):
+      if not (save or evaluate or preempted or cadence.log(completed)):
         continue
       scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()} | clock.lap(completed)
       _check_finite(scalars, step, config, manager)
@@ -356,13 +419,40 @@ def _loop(run: Run) -> TrainSummary:
       if save:
         _save(run, state, completed)
       if preempted and completed < config.steps:
+        what = "preempted" if signal_name == "SIGTERM" else "interrupted"
+        if manager is None:
+          raise TrainingError(f"{what} ({signal_name}) after step {step}; nothing saved (enable_checkpointing=false)")
         manager.wait_until_finished()
         raise TrainingError(
-          f"preempted (SIGTERM) after step {step}; checkpoint {completed} is saved: run the same command again to resume"
+          f"{what} ({signal_name}) after step {step}; checkpoint {completed} is saved: run the same command again to resume"
         )
   finally:
+    stop.restore()
     writer.close()
   return _finish(summary, config, clock)
+
+
+class StopRequest:
+  """SIGTERM (a preemption or maintenance notice) or SIGINT (Ctrl-C) to a single-process run: the step in
+  progress finishes, a checkpoint is saved, the save in flight completes, and the run exits with a line on how
+  to resume. A second SIGINT interrupts at once. In a multi-process job JAX's preemption service handles SIGTERM
+  on every process together (checkpointing.reached_preemption), so only this process's SIGINT is taken here."""
+
+  def __init__(self):
+    self.signal_name: str | None = None
+    self._previous = {}
+    if threading.current_thread() is not threading.main_thread():
+      return  # Python delivers signals to the main thread only.
+    for sig in (signal.SIGINT,) if jax.process_count() > 1 else (signal.SIGINT, signal.SIGTERM):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    self.signal_name = signal.Signals(signum).name
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+  def restore(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
 
 def _check_finite(scalars: dict, step: int, config: Config, manager) -> None:
@@ -391,7 +481,9 @@ def _evaluate_and_log(run: Run, params, step: int, writer: metrics.MetricWriter)
 
 
 def _save(run: Run, state: state_lib.TrainState, completed: int) -> None:
-  """Starts saving checkpoint <completed>, with the text pipeline's position (synthetic data has none)."""
+  """Starts saving checkpoint <completed>, with the text pipeline's position (synthetic data has none), once
+  there is room for it."""
+  _check_room(run.config, run.manager, state)
   data_state = None if run.config.dataset_type == "synthetic" else run.data.get_state()
   if checkpointing.save(run.manager, state, data_state):
     cli.log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(run.config)}")

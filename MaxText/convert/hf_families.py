@@ -127,7 +127,12 @@ def model_keys(mapping: HFMapping, decoder_block: str, hf: Mapping) -> dict:
   archs = hf.get("architectures") or [mapping.architecture]
   if archs[0] != mapping.architecture:
     raise unsupported(f"architecture {archs[0]} is not supported; a causal LM ({mapping.architecture}) is needed")
-  return {"decoder_block": decoder_block} | mapping.read_config(hf)
+  try:
+    keys = mapping.read_config(hf)
+  except KeyError as e:
+    needs = f"no {e.args[0]!r}, which a {mapping.model_type} model needs"
+    raise unsupported(f"{needs}; is this the model's own config.json?") from None
+  return {"decoder_block": decoder_block} | keys
 
 
 def hf_config(mapping: HFMapping, cfg: Config, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:

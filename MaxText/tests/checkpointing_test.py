@@ -303,3 +303,20 @@ def test_reached_preemption_only_in_a_multi_process_job():
   manager = _ManagerThatWouldStop()
   assert checkpointing.reached_preemption(manager, 3) is False
   assert manager.asked == []
+
+
+def test_out_of_space_is_found_however_the_storage_layer_wraps_it():
+  import errno
+
+  assert checkpointing.out_of_space(OSError(errno.ENOSPC, "No space left on device"))
+  tensorstore_like = ValueError("RESOURCE_EXHAUSTED: Failed to write 35653 bytes: No space left on device [code=28]")
+  assert checkpointing.out_of_space(tensorstore_like)
+  try:
+    try:
+      raise OSError(errno.ENOSPC, "disk full")
+    except OSError as inner:
+      raise RuntimeError("async save failed") from inner
+  except RuntimeError as outer:
+    assert checkpointing.out_of_space(outer)
+  assert not checkpointing.out_of_space(OSError(errno.EACCES, "Permission denied"))
+  assert not checkpointing.out_of_space(None)

@@ -64,6 +64,33 @@ def test_run_name_is_demanded_only_by_scripts_that_write_a_run_directory(capsys)
   assert _run(seen.append, capsys, argv=argv)[0] == 0 and seen[0].run_name == ""
 
 
+def test_unwritable_outputs_are_refused_before_anything_is_written(tmp_path, capsys):
+  """A file as base_output_directory (or in its way), a folder as metrics_file, a read-only folder: exit 2 with
+  one line naming the key, and neither the run folder nor the metrics file is created."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("keep me")
+  (tmp_path / "a_folder").mkdir()
+  out = tmp_path / "out"
+  cases = [
+    ([f"base_output_directory={a_file}"], "base_output_directory=" + str(a_file) + " is a file"),
+    ([f"base_output_directory={a_file}/runs"], f"{a_file} is a file, so no folder can be made there"),
+    ([f"base_output_directory={out}", f"metrics_file={tmp_path}/a_folder"], "metrics_file=" + str(tmp_path / "a_folder")),
+    ([f"base_output_directory={out}", f"metrics_file={a_file}/m.jsonl"], "metrics_file="),
+  ]
+  if os.geteuid() != 0:  # Permissions do not bind root.
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o500)
+    cases.append(([f"base_output_directory={read_only}/runs"], f"{read_only} is not writable"))
+  for args, message in cases:
+    called = []
+    code, captured = _run(called.append, capsys, argv=["prog", BASE_YML, *overrides(*args)], writes_run_dir=True)
+    assert code == 2 and not called, captured
+    assert len(captured.err.strip().splitlines()) == 1 and message in captured.err, captured.err
+  assert a_file.read_text() == "keep me" and not out.exists()
+  made = sorted(p.name for p in tmp_path.iterdir())
+  assert made == sorted(["a_file", "a_folder", *(["read_only"] if os.geteuid() else [])])
+
+
 def test_configure_jax_sets_the_platform_of_the_hardware_unless_jax_platforms_is_set(monkeypatch):
   updates = {}
   monkeypatch.setattr(jax.config, "update", updates.__setitem__)

@@ -80,6 +80,15 @@ def _edit_config(folder, **changes):
     json.dump(cfg | changes, f)
 
 
+def _remove_config_key(folder, key):
+  path = os.path.join(folder, "config.json")
+  with open(path) as f:
+    cfg = json.load(f)
+  del cfg[key]
+  with open(path, "w") as f:
+    json.dump(cfg, f)
+
+
 def _drop_tensor(folder, name):
   from safetensors.numpy import load_file, save_file
 
@@ -102,6 +111,7 @@ BAD = {
   "shape_mismatch": (lambda d: _edit_config(d, intermediate_size=48), "has shape"),
   "bin_only": (_bin_only, "only .bin"),
   "extra_tensor": (lambda d: _edit_config(d, num_hidden_layers=1), "is not part of"),
+  "no_hidden_size": (lambda d: _remove_config_key(d, "hidden_size"), "no 'hidden_size', which a llama model needs"),
 }
 
 
@@ -138,6 +148,17 @@ def test_export_refuses_a_non_empty_folder(trained, tmp_path, capsys):
   argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}", "jax_cache_dir="]
   assert convert_to_hf_checkpoint.main([*argv, f"hf_model_path={tmp_path / 'taken'}"]) == 2
   assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_export_refuses_a_folder_it_cannot_create(trained, tmp_path, capsys):
+  _, items, _ = trained
+  (tmp_path / "a_file").write_text("mine")
+  argv = ["export", BASE_YML, "model_name=tiny", "run_name=x", f"load_full_state_path={items}", "jax_cache_dir="]
+  capsys.readouterr()
+  assert convert_to_hf_checkpoint.main([*argv, f"hf_model_path={tmp_path / 'a_file' / 'hf'}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "a_file is a file, so no folder can be made there" in err[0], err
+  assert (tmp_path / "a_file").read_text() == "mine"
 
 
 def test_large_tensors_are_imported_in_row_blocks_exactly(trained, tmp_path, monkeypatch):

@@ -289,3 +289,11 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, extra, message):
   code, _, err = _run(decode.main, (*args, *(e.format(root=root) for e in extra)), capsys)
   assert code == 2
   assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_prompts_file_that_is_not_utf8_is_one_line(trained, capsys, tmp_path):
+  _, args = trained
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+  code, _, err = _run(decode.main, (*args, "run_name=run", f"decode_prompts_file={prompts}"), capsys)
+  assert code == 2 and "is not UTF-8 text (byte 3)" in err and len(err.strip().splitlines()) == 1, err

@@ -88,21 +88,60 @@ BAD = [
   (["base_num_kv_heads=3", "override_model_config=true"], "base_num_kv_heads"),
   (["base_emb_dim=64"], "base_emb_dim"),
   (["model_name=llama9"], "model_name"),
-  (["run_name="], "run_name"),
+  (["run_name="], "run_name is empty"),
   (["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], "ici_expert_parallelism"),
   (["load_parameters_path=/nonexistent/checkpoint"], "load_parameters_path"),
+  (["run_name=../escape"], "run_name='../escape' must be one plain folder name"),
+  (["run_name=/abs/run"], "run_name='/abs/run'"),
+  (["run_name=nested/run"], "run_name='nested/run'"),
+  (["run_name=.."], "run_name='..'"),
+  (["run_name=."], "run_name='.'"),
+  (["run_name=tab\there"], "run_name='tab\\there'"),
+  (["steps=1e3"], "steps=1000.0 is not an integer"),
+  (["learning_rate=-1"], "learning_rate=-1.0 is negative"),
+  (["max_num_checkpoints_to_keep=-1"], "max_num_checkpoints_to_keep=-1 is negative"),
+  (["vocab_size=2147483648", "override_model_config=true"], "vocab_size=2147483648 does not fit the int32 token ids"),
+  ([f"init_weights_seed={2**70}"], f"init_weights_seed={2**70} does not fit 32 bits"),
+  (["hardware=gpu"], "hardware=gpu but JAX runs on cpu"),
 ]
 
 
 @pytest.mark.parametrize("overrides, key", BAD, ids=[b[0][0] for b in BAD])
 def test_bad_config_exits_2_with_one_line(overrides, key, tmp_path, capsys):
   """A mistake is one line naming the key and value (the expected text), exit code 2, nothing written."""
-  argv = ["train.py", BASE_YML, "run_name=bad", "model_name=tiny", f"base_output_directory={tmp_path}/out", "jax_cache_dir="]
+  run_name = [] if any(o.startswith("run_name=") for o in overrides) else ["run_name=bad"]
+  argv = ["train.py", BASE_YML, *run_name, "model_name=tiny", f"base_output_directory={tmp_path}/out", "jax_cache_dir="]
   argv += overrides
   assert train.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith("error: ") and key in err, err
   assert not os.path.exists(tmp_path / "out"), "a rejected config must not create anything"
+
+
+def test_a_yml_with_a_key_twice_or_not_utf8_is_one_line(tmp_path):
+  twice = tmp_path / "twice.yml"
+  twice.write_text("base_config: base.yml\nsteps: 10\nlearning_rate: 1.0e-3\nsteps: 20\n")
+  with pytest.raises(ConfigError, match="key 'steps' is given twice"):
+    pyconfig.parse([str(twice)], env={})
+  latin1 = tmp_path / "latin1.yml"
+  latin1.write_bytes("base_config: base.yml\nrun_name: caf\xe9\n".encode("latin-1"))
+  with pytest.raises(ConfigError, match="is not UTF-8 text"):
+    pyconfig.parse([str(latin1)], env={})
+
+
+def test_local_paths_are_made_absolute_once_and_urls_kept(tmp_path, monkeypatch):
+  """NVIDIA's command passes base_output_directory=local_train: Orbax refuses relative checkpoint paths, so
+  every path key is resolved against the directory the command started in, once, when parsed."""
+  monkeypatch.chdir(tmp_path)
+  values = pyconfig.parse(
+    [BASE_YML, "base_output_directory=local_train", "metrics_file=out/m.jsonl", "load_parameters_path=gs://b/c/0/items"],
+    env={},
+  )
+  assert values["base_output_directory"] == str(tmp_path / "local_train")
+  assert values["metrics_file"] == str(tmp_path / "out" / "m.jsonl")
+  assert values["load_parameters_path"] == "gs://b/c/0/items"
+  assert values["load_full_state_path"] == ""
+  assert values["jax_cache_dir"] == os.path.expanduser("~/jax_cache")
 
 
 def _rules_with(logical: str, mesh_axes: list[str]) -> str:

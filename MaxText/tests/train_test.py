@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,73 @@ def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
   assert resumed[-1]["step"] == 119
   for m in resumed:
     assert m["learning/loss"] == straight[m["step"]], f"step {m['step']} differs after resume"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_sigint_saves_after_the_step_and_the_rerun_resumes_exactly(tmp_path, sig):
+  """A preemption notice or Ctrl-C: the step in progress finishes, a checkpoint is saved (none is due before step
+  1000 here), exit 1 with one line; the same command then resumes with the uninterrupted run's losses."""
+  run_args = ("max_target_length=128", "per_device_batch_size=4", "steps=300", "checkpoint_period=1000", "log_period=1")
+  rc, _, err = _run_cli(tmp_path, "run_name=straight", *run_args, f"metrics_file={tmp_path}/straight.jsonl")
+  assert rc == 0, err
+  straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "straight.jsonl")}
+
+  metrics_file = tmp_path / "stopped.jsonl"
+  proc = _run_cli(tmp_path, "run_name=stopped", *run_args, f"metrics_file={metrics_file}", wait=False)
+  deadline = time.time() + 120
+  while time.time() < deadline and (not metrics_file.exists() or len(metrics_file.read_text().splitlines()) < 3):
+    time.sleep(0.01)
+  os.kill(proc.pid, getattr(signal, sig))
+  assert proc.wait(timeout=120) == 1
+  log = (tmp_path / "background.log").read_text()
+  what = "preempted" if sig == "SIGTERM" else "interrupted"
+  stopped = re.search(rf"error: {what} \({sig}\) after step (\d+); checkpoint (\d+) is saved", log)
+  assert stopped and int(stopped.group(2)) == int(stopped.group(1)) + 1 < 300, log[-2000:]
+  assert "Traceback" not in log
+  assert os.listdir(tmp_path / "stopped" / "checkpoints") == [stopped.group(2)]
+
+  rc, out, err = _run_cli(tmp_path, "run_name=stopped", *run_args, f"metrics_file={metrics_file}")
+  assert rc == 0 and f"resumed from {tmp_path}/stopped/checkpoints/{stopped.group(2)}" in out, err
+  resumed = _metrics(metrics_file)[int(stopped.group(2)) :]
+  assert [m["step"] for m in resumed] == list(range(int(stopped.group(2)), 300))
+  assert all(m["learning/loss"] == straight[m["step"]] for m in resumed)
+
+
+def _du(path) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(tmp_path):
+  """A run saving every step onto a tmpfs with room for about two checkpoints: the failed save ends the run at
+  once with one line (no thread tracebacks), the complete checkpoints stay restorable, and after the disk is made
+  larger the same command resumes from the newest of them and finishes."""
+  run_args = ("steps=12", "checkpoint_period=1", "max_num_checkpoints_to_keep=0", f"metrics_file={tmp_path}/m.jsonl")
+  rc, _, err = _run_cli(tmp_path, "run_name=measure", "steps=1", "checkpoint_period=1")
+  assert rc == 0, err
+  checkpoint_bytes = _du(tmp_path / "measure" / "checkpoints" / "1")
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  size_kib = (checkpoint_bytes * 5 // 2 + 2**18) // 1024
+  subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(disk)], check=True)
+  try:
+    rc, out, err = _run_cli(tmp_path, "run_name=full", *run_args, f"base_output_directory={disk}")
+    assert rc == 1, out + err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"no space left on device for a checkpoint in {disk}/full/checkpoints (it needs about" in err, err
+    complete = sorted(int(n) for n in os.listdir(disk / "full" / "checkpoints") if n.isdigit())
+    assert complete and complete == list(range(complete[0], complete[-1] + 1)) and complete[-1] < 12, complete
+    assert f"run the same command again to resume from checkpoint {complete[-1]}" in err
+
+    subprocess.run(["mount", "-o", f"remount,size={size_kib * 8}k", str(disk)], check=True)
+    rc, out, err = _run_cli(tmp_path, "run_name=full", *run_args, f"base_output_directory={disk}")
+    assert rc == 0, err
+    assert f"resumed from {disk}/full/checkpoints/{complete[-1]}" in out
+    assert 12 in [int(n) for n in os.listdir(disk / "full" / "checkpoints") if n.isdigit()]
+  finally:
+    subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.slow
@@ -236,6 +304,17 @@ def test_cli_entry_points(tmp_path):
   ]
   proc = run([sys.executable, *module_args], env)
   assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr
+
+
+def test_relative_base_output_directory_checkpoints_where_it_says(tmp_path):
+  """NVIDIA's base_output_directory=local_train: resolved against the working directory, the run saves there
+  (Orbax refused the relative path at the first save before)."""
+  args = [sys.executable, f"{REPO_ROOT}/MaxText/train.py", BASE_YML]
+  args += overrides_of("run_name=rel", "steps=2", "checkpoint_period=1", "enable_checkpointing=true")
+  proc = run([*args, "base_output_directory=local_train"], {**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert sorted(os.listdir(tmp_path / "local_train" / "rel" / "checkpoints")) == ["1", "2"]
+  assert not any(name.endswith("tmp") for name in os.listdir(tmp_path / "local_train" / "rel" / "checkpoints"))
 
 
 def test_profiler_and_tensorboard_outputs(tmp_path):
