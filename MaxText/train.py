@@ -435,15 +435,16 @@ def _loop(run: Run) -> TrainSummary:
 class StopRequest:
   """SIGTERM (a preemption or maintenance notice) or SIGINT (Ctrl-C) to a single-process run: the step in
   progress finishes, a checkpoint is saved, the save in flight completes, and the run exits with a line on how
-  to resume. A second SIGINT interrupts at once. In a multi-process job JAX's preemption service handles SIGTERM
-  on every process together (checkpointing.reached_preemption), so only this process's SIGINT is taken here."""
+  to resume. A second SIGINT interrupts at once. In a multi-process job nothing is taken here: JAX's preemption
+  service turns a SIGTERM to any process into a save by all of them (checkpointing.reached_preemption), and a
+  save by one process alone would wait forever for the others, so SIGINT stops that process (cli.run_cli)."""
 
   def __init__(self):
     self.signal_name: str | None = None
     self._previous = {}
-    if threading.current_thread() is not threading.main_thread():
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
       return  # Python delivers signals to the main thread only.
-    for sig in (signal.SIGINT,) if jax.process_count() > 1 else (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):
       self._previous[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
