@@ -44,7 +44,7 @@ def run_dir(config: Config) -> str:
   """{base_output_directory}/{run_name}: what a run writes (checkpoints, tensorboard, config.yml)."""
   if not config.run_name:
     raise ConfigError("run_name is empty; pass run_name=NAME (output goes to base_output_directory/NAME)")
-  return os.path.join(os.path.expanduser(config.base_output_directory), config.run_name)
+  return os.path.join(config.base_output_directory, config.run_name)  # Absolute: pyconfig.parse made it so.
 
 
 def checkpoint_dir(config: Config) -> str:

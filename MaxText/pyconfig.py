@@ -343,7 +343,8 @@ def _check_training(values: Mapping) -> None:
       f"max_num_checkpoints_to_keep={values['max_num_checkpoints_to_keep']} is negative; give a count (0 keeps all)"
     )
   if not -(2**31) <= values["init_weights_seed"] < 2**32:
-    raise ConfigError(f"init_weights_seed={values['init_weights_seed']} does not fit 32 bits; give a seed in [0, 2**32)")
+    seed = values["init_weights_seed"]
+    raise ConfigError(f"init_weights_seed={seed} does not fit 32 bits; give a seed in [-2**31, 2**32)")
   if values["load_parameters_path"] and values["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 

@@ -255,15 +255,11 @@ def train(config: Config, devices=None) -> TrainSummary:
   manager = checkpointing.create_manager(config)
   try:
     with _full_disk_stops_the_run(config, layout):
-      try:
-        run = _prepare(config, mesh, manager, model=model, schedule=schedule, tx=tx, layout=layout)
-        if run.data is None:
-          cli.log(f"Nothing to do: the run is already at step {run.first_step} of steps={config.steps}.")
-          return TrainSummary(first_step=run.first_step)
-        return _loop(run)
-      finally:
-        if manager is not None:
-          manager.wait_until_finished()  # The save in flight completes, or its error is raised here.
+      run = _prepare(config, mesh, manager, model=model, schedule=schedule, tx=tx, layout=layout)
+      if run.data is None:
+        cli.log(f"Nothing to do: the run is already at step {run.first_step} of steps={config.steps}.")
+        return TrainSummary(first_step=run.first_step)
+      return _loop(run)
   finally:
     if manager is not None:
       manager.close()
@@ -422,13 +418,14 @@ def _loop(run: Run) -> TrainSummary:
         what = "preempted" if signal_name == "SIGTERM" else "interrupted"
         if manager is None:
           raise TrainingError(f"{what} ({signal_name}) after step {step}; nothing saved (enable_checkpointing=false)")
-        manager.wait_until_finished()
         raise TrainingError(
           f"{what} ({signal_name}) after step {step}; checkpoint {completed} is saved: run the same command again to resume"
         )
   finally:
     stop.restore()
     writer.close()
+    if manager is not None:
+      manager.wait_until_finished()  # The save in flight completes (before a stop, too), or its error is raised.
   return _finish(summary, config, clock)
 
 
