@@ -11,6 +11,11 @@ when the run restarts. What a run starts from, first match wins:
   2. load_full_state_path (a whole train state),
   3. load_parameters_path (params only; fresh optimizer at step 0),
   4. a fresh init from init_weights_seed.
+
+Every checkpoint also records a checksum of each array, and its data state carries its own (integrity.py);
+restoring verifies them. On resume a checkpoint that cannot be read or fails verification is skipped, with the
+reason in the log, for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an
+error.
 """
 
 import dataclasses
@@ -22,12 +27,14 @@ import re
 import jax
 import numpy as np
 
+from MaxText import integrity
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
 from MaxText.state import StateLayout, TrainState, init_state, params_layout, state_from_params
 
 ITEM = "items"
 DATA_ITEM = "data"
+CHECKSUM_ITEM = "checksums"  # integrity.record of the items, as JSON (Orbax's JsonSave writes it to a file "metadata")
 
 
 class _DataSnapshot:
@@ -37,7 +44,20 @@ class _DataSnapshot:
     self.state = state
 
   def get_state(self) -> bytes:
-    return json.dumps(self.state).encode()
+    return integrity.seal_data(self.state)
+
+
+class _VerifiedRestore:
+  """What Grain's checkpoint handler restores into: verifies the stored text, then sets the iterator's state."""
+
+  def __init__(self, iterator):
+    self.iterator = iterator
+
+  def set_state(self, stored: bytes) -> None:
+    self.iterator.set_state(integrity.open_data(stored))
+
+  def start_prefetch(self) -> None:
+    getattr(self.iterator, "start_prefetch", lambda: None)()
 
 
 def run_dir(config: Config) -> str:
@@ -91,7 +111,7 @@ def create_manager(config: Config):
     create=True,
     cleanup_tmp_directories=True,
   )
-  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM, DATA_ITEM))
+  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM, DATA_ITEM, CHECKSUM_ITEM))
 
 
 def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
@@ -102,12 +122,35 @@ def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
   step = int(jax.device_get(state.step))
   if step in manager.all_steps():
     return False
-  items = {ITEM: ocp.args.StandardSave(state)}
+  items = {ITEM: ocp.args.StandardSave(state), CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record(state))}
   if data_state is not None:
     import grain.checkpoint  # Only text pipelines have an iterator state, and they need Grain anyway.
 
     items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_DataSnapshot(data_state))
   return manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+
+def save_params(directory: str, params) -> str:
+  """Writes `params` as checkpoint 0 of `directory`, a params-only checkpoint with its checksums; returns the path
+  of its items folder (what load_parameters_path takes)."""
+  import orbax.checkpoint as ocp
+
+  items = {
+    ITEM: ocp.args.StandardSave({"params": params}),
+    CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record({"params": params})),
+  }
+  with ocp.CheckpointManager(directory, item_names=(ITEM, CHECKSUM_ITEM)) as manager:
+    manager.save(0, args=ocp.args.Composite(**items))
+    manager.wait_until_finished()
+  return os.path.join(directory, "0", ITEM)
+
+
+def write_checksums(step_dir: str, recorded: dict) -> None:
+  """Writes an integrity.record where a checkpoint saved by the CheckpointManager has it (for one written
+  without a manager, such as an imported model)."""
+  os.makedirs(os.path.join(step_dir, CHECKSUM_ITEM), exist_ok=True)
+  with open(os.path.join(step_dir, CHECKSUM_ITEM, "metadata"), "w", encoding="utf-8") as f:
+    json.dump(recorded, f)
 
 
 def out_of_space(error: BaseException | None) -> bool:
@@ -148,7 +191,10 @@ def restore_data(config: Config, manager, step: int, iterator) -> None:
       "dataset_type it was saved with, or start a new run_name with load_parameters_path"
     )
   try:
-    manager.restore(step, args=ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(iterator)}))
+    restore = grain.checkpoint.CheckpointRestore(_VerifiedRestore(iterator))
+    manager.restore(step, args=ocp.args.Composite(**{DATA_ITEM: restore}))
+  except integrity.Mismatch as e:
+    raise Damaged(where, str(e)) from None
   except (ValueError, FileNotFoundError) as e:  # e.g. saved by another number of processes
     raise ConfigError(
       f"checkpoint {where} has no data state for process {jax.process_index()} of {jax.process_count()} "
@@ -168,17 +214,16 @@ def items_path(key: str, path: str) -> str:
   return path
 
 
-def _restore_error(where: str, error: Exception) -> ConfigError:
-  detail = " ".join(str(error).split())[:300]
-  return ConfigError(
-    f"checkpoint {where} does not match this config ({type(error).__name__}: {detail}); "
-    "use the model config it was saved with, or a new run_name"
-  )
+class Damaged(ConfigError):
+  """A checkpoint that cannot be read, or whose arrays or data state differ from what was recorded at its save."""
+
+  def __init__(self, where: str, reason: str):
+    super().__init__(f"checkpoint {where} is damaged: {reason}")
+    self.where, self.reason = where, reason
 
 
-def leaf_name(path) -> str:
-  """Orbax's name of a pytree leaf: its keys joined by dots (e.g. params.decoder_norm.scale)."""
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+def _error_text(error: BaseException) -> str:
+  return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
 
 def _metadata(path: str):
@@ -187,7 +232,32 @@ def _metadata(path: str):
   try:
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
   except Exception as e:  # noqa: BLE001 (any failure to read means unreadable)
-    raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}); is it a complete Orbax checkpoint?") from None
+    where = os.path.dirname(path) if os.path.basename(path) == ITEM else path
+    raise Damaged(where, f"its metadata cannot be read ({_error_text(e)})") from None
+
+
+def _recorded_checksums(items: str) -> dict | None:
+  """The integrity.record saved beside the checkpoint's `items` folder; None for a checkpoint saved without one."""
+  path = os.path.join(os.path.dirname(items), CHECKSUM_ITEM, "metadata")
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise Damaged(os.path.dirname(items), f"its checksums cannot be read ({_error_text(e)})") from None
+
+
+def verify(items: str, tree) -> str:
+  """Checks the restored `tree` against the checksums recorded when the checkpoint at `items` was saved; raises
+  Damaged on a difference. Returns what was verified, for the log."""
+  recorded = _recorded_checksums(items)
+  if recorded is None:
+    return "saved without checksums, not verified"
+  try:
+    return f"{integrity.verify(recorded, tree)} arrays verified"
+  except integrity.Mismatch as e:
+    raise Damaged(os.path.dirname(items), str(e)) from None
 
 
 def check_compatible(path: str, target) -> None:
@@ -196,9 +266,9 @@ def check_compatible(path: str, target) -> None:
   Checked from the checkpoint's metadata before restoring, so a mismatch is one clear line rather than a
   failure inside Orbax's restore.
   """
-  stored = {leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(_metadata(path))}
+  stored = {integrity.leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(_metadata(path))}
   for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(target):
-    name = leaf_name(leaf_path)
+    name = integrity.leaf_name(leaf_path)
     if name not in stored:
       raise ConfigError(
         _layer_layout_mismatch(path, name, stored)
@@ -238,14 +308,16 @@ def _restore_tree(path: str, target):
 
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
-    return checkpointer.restore(
+    restored = checkpointer.restore(
       path,
       args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
       ),
     )
-  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-    raise _restore_error(path, e) from None
+  except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
+    raise Damaged(os.path.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
+  verify(path, restored)
+  return restored
 
 
 def check_start_paths(config: Config, layout: StateLayout) -> None:
@@ -295,8 +367,9 @@ def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
-  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-    raise _restore_error(path, e) from None
+  except Exception as e:  # noqa: BLE001 (its metadata matched: a failure to read is damage)
+    raise Damaged(os.path.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
+  verify(path, restored)
   return restored["params"], path
 
 
@@ -320,22 +393,14 @@ def load_params(config: Config, mesh, dtype) -> tuple[dict, str]:
 class StartingPoint:
   state: TrainState
   source: str  # where the state came from, for the log
-  resumed: bool = False  # from this run's own latest checkpoint
+  resumed: bool = False  # from this run's own latest checkpoint that verifies
+  skipped: tuple[str, ...] = ()  # newer checkpoints of the run that were damaged, with the reason
 
 
 def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> StartingPoint:
   """The state a run starts from, by the rules in this module's docstring (after check_start_paths)."""
-  latest = manager.latest_step() if manager is not None else None
-  if latest is not None:
-    import orbax.checkpoint as ocp
-
-    check_compatible(os.path.join(checkpoint_dir(config), str(latest), ITEM), layout.abstract)
-    target = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(layout.abstract)})
-    try:
-      state = manager.restore(latest, args=target)[ITEM]
-    except (ValueError, KeyError, TypeError) as e:
-      raise _restore_error(os.path.join(checkpoint_dir(config), str(latest)), e) from None
-    return StartingPoint(state, f"resumed from {checkpoint_dir(config)}/{latest}", resumed=True)
+  if manager is not None and manager.all_steps():
+    return _resume(config, manager, layout)
   if config.load_full_state_path:
     path = items_path("load_full_state_path", config.load_full_state_path)
     return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")
@@ -344,3 +409,52 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
     params = _restore_tree(path, {"params": layout.abstract.params})["params"]
     return StartingPoint(state_from_params(params, tx, layout), f"params from {config.load_parameters_path}")
   return StartingPoint(init_state(model, config, tx, layout), f"fresh init (seed {config.init_weights_seed})")
+
+
+def _resume(config: Config, manager, layout: StateLayout) -> StartingPoint:
+  """The newest of the run's checkpoints that can be read and verifies, with the damaged newer ones named."""
+  import orbax.checkpoint as ocp
+
+  skipped = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    where = os.path.join(checkpoint_dir(config), str(step))
+    items = os.path.join(where, ITEM)
+    try:
+      check_compatible(items, layout.abstract)  # A config that does not match is an error, not damage.
+      if config.dataset_type != "synthetic":
+        _verify_data_file(where)
+      try:
+        state = manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(layout.abstract)}))[ITEM]
+      except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
+        raise Damaged(where, f"its arrays cannot be read ({_error_text(e)})") from None
+      verified = verify(items, state)
+      damage = None
+    except Damaged as e:
+      damage = e
+    if _all_processes_agree(damage is None):
+      return StartingPoint(state, f"resumed from {where} ({verified})", resumed=True, skipped=tuple(skipped))
+    skipped.append(str(damage or f"checkpoint {where} is damaged on another process"))
+  raise ConfigError(
+    f"no checkpoint in {checkpoint_dir(config)} can be resumed from ({'; '.join(skipped)}); move them out of that "
+    "folder to start the run over, or use a new run_name"
+  )
+
+
+def _verify_data_file(where: str) -> None:
+  """Checks this process's data state in checkpoint `where` against its checksum (before restoring anything)."""
+  path = os.path.join(where, DATA_ITEM, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+  if os.path.exists(path):  # A missing one is restore_data's error: another process count, or synthetic data.
+    try:
+      with open(path, "rb") as f:
+        integrity.open_data(f.read())
+    except (OSError, integrity.Mismatch) as e:
+      raise Damaged(where, str(e)) from None
+
+
+def _all_processes_agree(ok: bool) -> bool:
+  """Whether `ok` holds on every process (each reads its own shards and data state)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+
+  return bool(np.all(multihost_utils.process_allgather(np.bool_(ok))))

@@ -173,7 +173,8 @@ def convert(config: Config, argv: list[str]) -> str:
 
     total = sum(len(g.ours) for g, _ in plan.instances())
     with tqdm(total=total, desc="tensors", unit="tensor", file=sys.stderr) as progress:
-      save_params(os.path.join(staging, checkpointing.ITEM), plan.lazy_params(progress))
+      checksums = save_params(os.path.join(staging, checkpointing.ITEM), plan.lazy_params(progress))
+    checkpointing.write_checksums(staging, checksums)
     if tokenizer:
       for name in tokenizer[1]:
         shutil.copy(os.path.join(folder, name), os.path.join(staging, os.path.basename(name)))

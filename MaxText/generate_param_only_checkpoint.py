@@ -46,12 +46,7 @@ def generate(config: Config) -> str:
     _, shardings = state_lib.params_layout(models.Transformer(unrolled, mesh), unrolled, mesh)
     params = jax.jit(lambda p: unroll(p, config.num_decoder_layers), out_shardings=shardings)(params)
 
-  import orbax.checkpoint as ocp
-
-  with ocp.CheckpointManager(target, item_names=(checkpointing.ITEM,)) as manager:
-    manager.save(0, args=ocp.args.Composite(**{checkpointing.ITEM: ocp.args.StandardSave({"params": params})}))
-    manager.wait_until_finished()
-  path = os.path.join(target, "0", checkpointing.ITEM)
+  path = checkpointing.save_params(target, params)
   print(f"Wrote the params of {source} to {path}", flush=True)
   return path
 

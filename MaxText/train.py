@@ -361,6 +361,8 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
     else:
       compiling = pool.submit(compile_step, lowered, mesh)
     start = checkpointing.restore_or_init(config, manager, model, tx, layout)
+    for damaged in start.skipped:
+      cli.log(f"skipped: {damaged}")
     first_step = int(jax.device_get(start.state.step))
     cli.write_resolved_config(config, checkpointing.run_dir(config))
     num_params = metrics.count_params(layout.abstract.params)
@@ -485,6 +487,8 @@ def _save(run: Run, state: state_lib.TrainState, completed: int) -> None:
   data_state = None if run.config.dataset_type == "synthetic" else run.data.get_state()
   if checkpointing.save(run.manager, state, data_state):
     cli.log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(run.config)}")
+  else:
+    cli.log(f"checkpoint {completed} exists already in {checkpointing.checkpoint_dir(run.config)}; kept as it is")
 
 
 def _finish(summary: TrainSummary, config: Config, clock: metrics.StepClock) -> TrainSummary:

@@ -71,6 +71,15 @@ class LazyArray:
   shape: tuple[int, ...]
   dtype: np.dtype
   chunks: list[tuple[tuple, Callable[[], np.ndarray]]]
+  checksum: tuple[int, int] = (0, 0)  # integrity's sums over the chunks written so far
+
+  def load(self, index: tuple, load: Callable[[], np.ndarray]) -> np.ndarray:
+    """Loads one chunk, adding it to the checksum."""
+    from MaxText import integrity
+
+    part = np.asarray(load(), dtype=self.dtype)
+    self.checksum = integrity.add(self.checksum, integrity.partial_checksum(part, integrity.positions(self.shape, index)))
+    return part
 
   @property
   def size(self) -> int:
@@ -114,14 +123,14 @@ def _handler():
       store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
       for index, load in value.chunks:
         async with self.one_at_a_time:
-          await store[index].write(load(), can_reference_source_data_indefinitely=True)
+          await store[index].write(value.load(index, load), can_reference_source_data_indefinitely=True)
 
   return LazyArrayHandler()
 
 
-def save_params(path: str, params: dict) -> None:
+def save_params(path: str, params: dict) -> dict:
   """Writes {"params": params} (a tree of LazyArray) as an Orbax PyTree checkpoint at `path`, each storage chunk
-  being one LazyArray chunk."""
+  being one LazyArray chunk; returns the integrity.record of what it wrote."""
   import jax
   import orbax.checkpoint as ocp
 
@@ -131,3 +140,8 @@ def save_params(path: str, params: dict) -> None:
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=False)
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(path, args=ocp.args.PyTreeSave({"params": params}, save_args={"params": save_args}))
+  from MaxText import integrity
+
+  named = jax.tree_util.tree_leaves_with_path({"params": params}, is_leaf=is_lazy)
+  arrays = {integrity.leaf_name(p): integrity.entry(a.checksum, a.dtype, a.shape) for p, a in named}
+  return {"format": integrity.FORMAT, "arrays": arrays}

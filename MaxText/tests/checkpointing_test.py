@@ -14,7 +14,7 @@ from MaxText import checkpointing, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
-from MaxText.tests.helpers import assert_trees_equal, config
+from MaxText.tests.helpers import array_files, assert_trees_equal, config, flip_a_stored_bit
 
 MESH = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
 CHECKPOINTS = ("enable_checkpointing=true", "async_checkpointing=false")
@@ -150,7 +150,7 @@ def test_save_and_resume_round_trip_is_bit_exact(tmp_path, env):
   assert sorted(os.listdir(checkpointing.checkpoint_dir(cfg))) == ["2", "5"]
 
   start = _start(cfg, env)
-  assert start.resumed and start.source == f"resumed from {tmp_path}/r/checkpoints/5"
+  assert start.resumed and start.source == f"resumed from {tmp_path}/r/checkpoints/5 (39 arrays verified)"
   assert_trees_equal(start.state, s5)
   _assert_layout_shardings(start.state, env)
 
@@ -174,7 +174,7 @@ def test_start_rules_first_match_wins(tmp_path, env):
     dict(load_parameters_path=params_path),
   ):
     resumed = start("own", **paths)
-    assert resumed.resumed and resumed.source == f"resumed from {tmp_path}/own/checkpoints/11", paths
+    assert resumed.resumed and resumed.source == f"resumed from {tmp_path}/own/checkpoints/11 (39 arrays verified)", paths
     assert_trees_equal(resumed.state, own)
 
   for paths in (
@@ -211,7 +211,8 @@ def test_check_compatible_names_the_leaf_in_one_line(env, saved):
 
 
 def test_check_compatible_reads_only_complete_checkpoints(tmp_path, env):
-  assert "unreadable" in _one_line_error(checkpointing.check_compatible, str(tmp_path), env.layout.abstract)
+  message = _one_line_error(checkpointing.check_compatible, str(tmp_path), env.layout.abstract)
+  assert f"checkpoint {tmp_path} is damaged: its metadata cannot be read" in message
 
 
 def test_scan_layers_mismatch_says_how_to_convert(tmp_path, env, saved):
@@ -320,3 +321,104 @@ def test_out_of_space_is_found_however_the_storage_layer_wraps_it():
     assert checkpointing.out_of_space(outer)
   assert not checkpointing.out_of_space(OSError(errno.EACCES, "Permission denied"))
   assert not checkpointing.out_of_space(None)
+
+
+def _truncate(step_dir: str) -> None:
+  """What a copy cut short leaves: its data files empty (which of their bytes Orbax reads depends on the save)."""
+  for path in array_files(step_dir):
+    os.truncate(path, 0)
+
+
+def _remove_metadata(step_dir: str) -> None:
+  os.remove(os.path.join(step_dir, checkpointing.ITEM, "_METADATA"))
+
+
+def _garble_checksums(step_dir: str) -> None:
+  with open(os.path.join(step_dir, checkpointing.CHECKSUM_ITEM, "metadata"), "w") as f:
+    f.write("{not json")
+
+
+DAMAGE = {
+  "bit flipped in a value": (
+    lambda d: flip_a_stored_bit(d, "params.token_embedder.embedding"),
+    "params.token_embedder.embedding differs from what was saved",
+  ),
+  "truncated files": (_truncate, "cannot be read"),
+  "no _METADATA": (_remove_metadata, "its metadata cannot be read"),
+  "garbled checksums": (_garble_checksums, "its checksums cannot be read"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies(tmp_path, env, damage):
+  damage_fn, reason = DAMAGE[damage]
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert _save(cfg, env.variant(2)) and _save(cfg, env.variant(5))
+  newest = os.path.join(checkpointing.checkpoint_dir(cfg), "5")
+  damage_fn(newest)
+
+  start = _start(cfg, env)
+  assert start.resumed and start.source.startswith(f"resumed from {tmp_path}/r/checkpoints/2 (")
+  assert_trees_equal(start.state, env.variant(2))
+  [skipped] = start.skipped
+  assert skipped.startswith(f"checkpoint {newest}") and "is damaged: " in skipped and reason in skipped, skipped
+  assert "\n" not in skipped
+
+  # The same checkpoint given as load_full_state_path: an error, not a fallback.
+  items = os.path.join(newest, checkpointing.ITEM)
+  full = _cfg(tmp_path, "run_name=full", f"load_full_state_path={items}")
+  start_or_check = checkpointing.check_start_paths if damage == "no _METADATA" else lambda c, _: _start(c, env)
+  assert reason in _one_line_error(start_or_check, full, env.layout)
+  if damage != "truncated files":  # (which may hit the optimizer state only)
+    params_only = _cfg(tmp_path, "run_name=other", f"load_parameters_path={items}")
+    assert reason in _one_line_error(checkpointing.load_params, params_only, env.mesh, jnp.float32)
+
+
+def test_a_damaged_params_only_checkpoint_is_an_error(tmp_path, env):
+  """load_parameters_path (decode.py, fine-tuning) of a params-only checkpoint with a flipped bit: exit 2."""
+  items = checkpointing.save_params(str(tmp_path / "params"), env.variant(3).params)
+  cfg = _cfg(tmp_path, "run_name=other", f"load_parameters_path={items}")
+  params, _ = checkpointing.load_params(cfg, env.mesh, jnp.float32)
+  assert_trees_equal(params, env.variant(3).params)
+  flip_a_stored_bit(os.path.dirname(items), "params.decoder_norm.scale")
+  message = _one_line_error(checkpointing.load_params, cfg, env.mesh, jnp.float32)
+  assert message.startswith(f"checkpoint {os.path.dirname(items)} is damaged: params.decoder_norm.scale differs")
+  assert "differs" in _one_line_error(checkpointing.restore_host_params, cfg, env.layout.abstract.params)
+
+
+def test_resume_fails_when_no_checkpoint_verifies(tmp_path, env):
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert _save(cfg, env.variant(2)) and _save(cfg, env.variant(5))
+  flip_a_stored_bit(os.path.join(checkpointing.checkpoint_dir(cfg), "5"), "params.decoder_norm.scale")
+  _truncate(os.path.join(checkpointing.checkpoint_dir(cfg), "2"))
+  message = _one_line_error(_start, cfg, env)
+  assert message.startswith(f"no checkpoint in {tmp_path}/r/checkpoints can be resumed from (checkpoint ")
+  assert "/5 is damaged" in message and "/2 is damaged" in message and "start the run over" in message
+
+
+def test_a_damaged_data_state_is_skipped_too(tmp_path, env):
+  cfg = _cfg(tmp_path, "run_name=r").replace(dataset_type="grain")
+  for step in (2, 5):
+    with _manager(cfg) as manager:
+      assert checkpointing.save(manager, env.variant(step), {"next_index": step})
+  data = os.path.join(checkpointing.checkpoint_dir(cfg), "5", checkpointing.DATA_ITEM, "process_0-of-1.json")
+  with open(data) as f:
+    text = f.read()
+  assert 'next_index\\": 5' in text
+  with open(data, "w") as f:
+    f.write(text.replace('next_index\\": 5', 'next_index\\": 6'))
+  start = _start(cfg, env)
+  assert_trees_equal(start.state, env.variant(2))
+  assert "the data iterator's state differs from what was saved" in start.skipped[0]
+
+
+def test_a_config_mismatch_is_an_error_not_damage(tmp_path, env):
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert _save(cfg, env.variant(2))
+  wider = _cfg(tmp_path, "run_name=r", "base_emb_dim=64", "override_model_config=true")
+  mesh = sharding.create_mesh(wider, jax.devices()[:4])
+  model = models.Transformer(wider, mesh)
+  layout = state_lib.state_layout(model, wider, env.tx, mesh)
+  with _manager(wider) as manager:
+    message = _one_line_error(checkpointing.restore_or_init, wider, manager, model, env.tx, layout)
+  assert "damaged" not in message and "use the model config it was saved with" in message

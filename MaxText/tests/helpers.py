@@ -65,3 +65,22 @@ def metrics_losses(path) -> dict[int, float]:
   """{step: loss} of a metrics_file (JSON lines)."""
   with open(path, encoding="utf-8") as f:
     return {row["step"]: row["learning/loss"] for row in map(json.loads, f) if "learning/loss" in row}
+
+
+def array_files(step_dir: str) -> list[str]:
+  """The array data files of the checkpoint folder `step_dir` (Orbax OCDBT data files), largest first."""
+  files = [os.path.join(r, f) for r, _, names in os.walk(os.path.join(step_dir, "items")) for f in names]
+  return sorted((f for f in files if f"{os.sep}d{os.sep}" in f), key=os.path.getsize, reverse=True)
+
+
+def flip_a_stored_bit(step_dir: str, name: str) -> None:
+  """Flips the lowest bit of the first element of array `name` (e.g. params.decoder_norm.scale) as stored, through
+  TensorStore: a corruption Orbax reads back without an error, as another value."""
+  import tensorstore as ts
+
+  kvstore = {"driver": "ocdbt", "base": f"file://{os.path.join(step_dir, 'items')}/", "path": f"{name}/"}
+  stored = ts.open({"driver": "zarr", "kvstore": kvstore}).result()
+  first = (0,) * stored.rank
+  value = np.asarray(stored[first].read().result())
+  bits = value.view(np.dtype(f"u{value.dtype.itemsize}")) ^ 1
+  stored[first].write(bits.view(value.dtype)).result()

@@ -12,7 +12,7 @@ from MaxText import decode, generate_param_only_checkpoint, inference_microbench
 from MaxText.inference import decoding
 from MaxText.inference.sampling import Sampling, sample
 from MaxText.layers import models
-from MaxText.tests.helpers import BASE_YML, config, overrides
+from MaxText.tests.helpers import BASE_YML, config, flip_a_stored_bit, overrides
 
 DECODE = ("max_target_length=48", "max_prefill_predict_length=32", "per_device_batch_size=1")
 
@@ -248,6 +248,11 @@ def test_cli_decodes_from_run_and_from_unrolled_params_only_checkpoint(trained, 
 
   code, _, err = _run(generate_param_only_checkpoint.main, (*args, "run_name=params", source), capsys)
   assert code == 2 and "already holds checkpoints" in err  # never overwritten
+
+  flip_a_stored_bit(f"{root}/params/checkpoints/0", "params.decoder_norm.scale")  # Refused, not decoded differently.
+  code, out, err = _run(decode.main, (*args, "run_name=other", params_only, "scan_layers=false", "prompt=The sun"), capsys)
+  assert code == 2 and f"checkpoint {root}/params/checkpoints/0 is damaged: params.decoder_norm.scale differs" in err, err
+  assert len(err.strip().splitlines()) == 1 and "Input `" not in out
 
 
 def test_microbenchmark_reports_times_and_bandwidth(trained, tmp_path, capsys):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from MaxText import train
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, run
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, flip_a_stored_bit, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 
@@ -366,3 +366,28 @@ def test_reuse_example_batch_trains_on_the_first_batch_every_step():
   fresh = _losses(train.train(config(*common), jax.devices()[:1]))
   assert reused[0] == fresh[0] and np.all(reused == reused[0])
   assert len(set(fresh.tolist())) == 3
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_skipped_and_the_rerun_resumes_from_the_one_before(tmp_path):
+  """A bit flipped in the newest checkpoint: the rerun names it, resumes from the one before with the
+  uninterrupted run's losses, and leaves the damaged one as it was."""
+  common = ("async_checkpointing=false", "checkpoint_period=2", "log_period=1", "learning_rate_schedule_steps=6")
+  rc, _, err = _run_cli(tmp_path, "run_name=straight", "steps=6", *common, f"metrics_file={tmp_path}/straight.jsonl")
+  assert rc == 0, err
+  rc, _, err = _run_cli(tmp_path, "run_name=r", "steps=4", *common)
+  assert rc == 0, err
+  checkpoints = tmp_path / "r" / "checkpoints"
+  flip_a_stored_bit(str(checkpoints / "4"), "params.decoder_norm.scale")
+  damaged = {p: p.read_bytes() for p in (checkpoints / "4").rglob("*") if p.is_file()}
+
+  rc, out, err = _run_cli(tmp_path, "run_name=r", "steps=6", *common, f"metrics_file={tmp_path}/resumed.jsonl")
+  assert rc == 0, err
+  assert f"skipped: checkpoint {checkpoints}/4 is damaged: params.decoder_norm.scale differs from what was saved" in out
+  assert f"resumed from {checkpoints}/2 (" in out and "arrays verified)" in out
+  assert f"checkpoint 4 exists already in {checkpoints}; kept as it is" in out
+  straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "straight.jsonl")}
+  resumed = _metrics(tmp_path / "resumed.jsonl")
+  assert [m["step"] for m in resumed] == [2, 3, 4, 5]
+  assert all(m["learning/loss"] == straight[m["step"]] for m in resumed)
+  assert {p: p.read_bytes() for p in (checkpoints / "4").rglob("*") if p.is_file()} == damaged
