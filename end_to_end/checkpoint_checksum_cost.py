@@ -69,10 +69,10 @@ def main() -> None:
           times["record"].append(time.perf_counter() - start)
           start = time.perf_counter()
           restored = m.restore(1, args=ocp.args.Composite(**{checkpointing.ITEM: ocp.args.StandardRestore(state)}))
-          jax.block_until_ready(restored)
+          restored = jax.block_until_ready(restored[checkpointing.ITEM])
           times["restore"].append(time.perf_counter() - start)
           start = time.perf_counter()
-          checkpointing.verify(os.path.join(directory, "1", checkpointing.ITEM), restored[checkpointing.ITEM])
+          checkpointing.verify(os.path.join(directory, "1", checkpointing.ITEM), restored)
           times["verify"].append(time.perf_counter() - start)
       shutil.rmtree(directory)
   for name, values in times.items():
