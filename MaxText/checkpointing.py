@@ -108,7 +108,7 @@ def create_manager(config: Config):
   options = ocp.CheckpointManagerOptions(
     max_to_keep=config.max_num_checkpoints_to_keep or None,
     enable_async_checkpointing=config.async_checkpointing,
-    create=True,
+    create=False,  # `save` makes the folder: nothing is written before a run is known to fit.
     cleanup_tmp_directories=True,
   )
   return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM, DATA_ITEM, CHECKSUM_ITEM))
@@ -122,6 +122,7 @@ def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
   step = int(jax.device_get(state.step))
   if step in manager.all_steps():
     return False
+  os.makedirs(manager.directory, exist_ok=True)
   items = {ITEM: ocp.args.StandardSave(state), CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record(state))}
   if data_state is not None:
     import grain.checkpoint  # Only text pipelines have an iterator state, and they need Grain anyway.
@@ -211,6 +212,11 @@ def items_path(key: str, path: str) -> str:
     raise ConfigError(f"{key}={path} does not exist; give a checkpoint's items folder, e.g. RUN/checkpoints/100/items")
   if ".orbax-checkpoint-tmp" in path:
     raise ConfigError(f"{key}={path} is an unfinished checkpoint (its save was interrupted); pick a complete one")
+  if not any(os.path.exists(os.path.join(path, name)) for name in ("_METADATA", "manifest.ocdbt", "_sharding")):
+    raise ConfigError(
+      f"{key}={path} holds no Orbax checkpoint (no _METADATA or manifest.ocdbt); give a checkpoint's items folder, "
+      "e.g. RUN/checkpoints/100/items"
+    )
   return path
 
 

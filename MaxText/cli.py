@@ -85,7 +85,7 @@ def load_config(argv, writes_run_dir: bool = False) -> Config:
     reason = (str(e).splitlines() or ["no backend initialised"])[0][:120]
     raise ConfigError(
       f"hardware={values['hardware']}: no such JAX backend here ({reason}); "
-      "install its jaxlib (setup.sh DEVICE=gpu) or set hardware=cpu"
+      f"install its jaxlib (DEVICE={values['hardware']} bash setup.sh) or set hardware=cpu"
     ) from None
   if devices[0].platform != values["hardware"]:
     raise ConfigError(

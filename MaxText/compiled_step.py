@@ -22,6 +22,7 @@ import re
 
 import jax
 import jaxlib.version
+import numpy as np
 from jax.experimental import serialize_executable
 
 from MaxText import metrics
@@ -163,18 +164,86 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 
 def does_not_fit_line(used: float | None, hbm: float | None, chip: str, config: Config) -> str:
   """The one line train_compile.py exits with when the step needs more memory than a device has (None: unknown)."""
-  tries = ["a smaller per_device_batch_size"] if config.per_device_batch_size > 1 else []
-  if config.attention == "dot_product":
+  hbm_text = "its HBM" if hbm is None else f"{hbm / GiB:.2f} GiB HBM"
+  needed = "more than" if used is None else f"{used / GiB:.2f} GiB per chip >"
+  return f"does not fit: {needed} {hbm_text} of {chip}; try {_tries(config, step=True, more='a larger topology')}"
+
+
+def _tries(config: Config, step: bool, more: str) -> str:
+  """What lowers the memory per device: of the step (activations too) or of the state alone."""
+  tries = []
+  if step and config.per_device_batch_size > 1:
+    tries.append("a smaller per_device_batch_size")
+  if step and config.attention == "dot_product":
     tries.append("attention=flash")
-  if config.remat_policy != "full":
+  if step and config.remat_policy != "full":
     tries.append("remat_policy=full")
   if config.ici_mesh_shape[config.mesh_axes.index("fsdp")] < config.num_devices // config.num_slices:
     tries.append("more fsdp (ici_fsdp_parallelism)")
-  tries.append("a larger topology")
-  hbm_text = "its HBM" if hbm is None else f"{hbm / GiB:.2f} GiB HBM"
-  needed = "more than" if used is None else f"{used / GiB:.2f} GiB per chip >"
-  tries = f"{', '.join(tries[:-1])} or {tries[-1]}" if len(tries) > 1 else tries[0]
-  return f"does not fit: {needed} {hbm_text} of {chip}; try {tries}"
+  tries.append(more)
+  return f"{', '.join(tries[:-1])} or {tries[-1]}" if len(tries) > 1 else tries[0]
+
+
+# ---------------------------------------------------------------------------------------------- before a run
+def host_memory_bytes() -> int:
+  """This host's RAM, or the memory limit of its cgroup (a container) when that is lower."""
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+      limit = f.read().strip()
+  except OSError:
+    return total
+  return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _memory_of(mesh) -> tuple[int, int, str]:
+  """(bytes, devices sharing them, what they are) for this process's devices of `mesh`: each accelerator has its
+  own memory; CPU devices all live in the host's RAM."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  limit = metrics.device_memory_bytes(local[0])
+  if limit is not None:
+    return limit, 1, f"the {limit / GiB:.2f} GiB of one {local[0].device_kind}"
+  return host_memory_bytes(), len(local), f"this host's {host_memory_bytes() / GiB:.2f} GiB of RAM"
+
+
+def check_fits(what: str, per_device: int, config: Config, mesh, step: bool) -> None:
+  """Raises ConfigError, with the figures, when `what` needs more than this process's devices have; run before
+  anything is allocated (the state) or written (the compiled step)."""
+  limit, sharing, where = _memory_of(mesh)
+  if per_device * sharing <= limit:
+    return
+  need = f"{per_device / GiB:.2f} GiB per device"
+  if sharing > 1:
+    need += f" ({per_device * sharing / GiB:.2f} GiB for the {sharing} devices of this host)"
+  more = "a smaller model" if not step else "more or larger devices"
+  raise ConfigError(f"{what} needs {need}, more than {where}; try {_tries(config, step, more)}")
+
+
+def state_bytes_per_device(abstract_state) -> int:
+  """Bytes of one device's shards of a state given as ShapeDtypeStructs with shardings (the largest shard)."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(abstract_state):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def step_bytes_per_device(compiled: jax.stages.Compiled, platform: str) -> int | None:
+  """What a device holds while the compiled step runs: the sum of its allocations (arguments + outputs - aliased +
+  temporaries + code) on CPU, which allocates the temporaries as one buffer (the peak it reports can be a
+  fraction of them); elsewhere XLA's peak if it reports one (TPU's temporaries allocation exceeds what is live at
+  once), else that sum. None when XLA reports nothing."""
+  memory = compiled.memory_analysis()
+  if memory is None:
+    return None
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+    + memory.generated_code_size_in_bytes
+  )
+  return total if platform == "cpu" else getattr(memory, "peak_memory_in_bytes", 0) or total
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

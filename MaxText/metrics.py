@@ -1,6 +1,7 @@
 """Model FLOPs, device peaks and MFU, step timing, the profiler window, and the metric writers (TensorBoard,
 JSON lines)."""
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -157,6 +158,77 @@ class StepClock:
     self.last_time = time.time()
 
 
+class Goodput:
+  """Where a run's wall time went, from the process's start: start-up and compilation (until the loop starts), the
+  loop's waits for data, checkpoint saves that blocked it, evaluation, and the rest of the loop (training steps,
+  logging included). Work lost to a restart is read from the metrics file: the steps an earlier run of the same
+  metrics file logged at or after the checkpoint this run resumed from, which it trains again."""
+
+  WAITS = ("data", "checkpoint", "evaluation")
+
+  def __init__(self, process_start: float):
+    self.process_start = process_start
+    self.loop_start = time.time()
+    self.waits = dict.fromkeys(self.WAITS, 0.0)
+    self.recomputed_steps, self.recomputed_seconds = 0, 0.0
+
+  @contextlib.contextmanager
+  def waiting(self, what: str):
+    start = time.time()
+    try:
+      yield
+    finally:
+      self.waits[what] += time.time() - start
+
+  def read_earlier_metrics(self, metrics_file: str, first_step: int) -> None:
+    """Counts the steps at or after `first_step` that earlier processes logged to `metrics_file` (a resumed run)."""
+    if not metrics_file or not os.path.isfile(metrics_file):
+      return
+    times = {}
+    with open(metrics_file, encoding="utf-8") as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:
+          continue  # A line cut short by a kill.
+        if isinstance(record, dict) and record.get("step", -1) >= first_step and "perf/step_time_seconds" in record:
+          times[record["step"]] = record["perf/step_time_seconds"]
+    if times:
+      self.recomputed_steps = max(times) + 1 - first_step
+      self.recomputed_seconds = statistics.median(times.values()) * self.recomputed_steps
+
+  def report(self) -> dict[str, float]:
+    now = time.time()
+    total = now - self.process_start
+    startup = self.loop_start - self.process_start
+    steps = now - self.loop_start - sum(self.waits.values())
+    return {
+      "goodput/wall_seconds": total,
+      "goodput/productive_fraction": steps / total if total > 0 else 0.0,
+      "goodput/step_seconds": steps,
+      "goodput/startup_seconds": startup,
+      **{f"goodput/{what}_seconds": seconds for what, seconds in self.waits.items()},
+      "goodput/recomputed_steps": self.recomputed_steps,
+      "goodput/recomputed_seconds": self.recomputed_seconds,
+    }
+
+
+def format_goodput(report: dict[str, float]) -> str:
+  line = (
+    f"Goodput: {100 * report['goodput/productive_fraction']:.1f}% of {report['goodput/wall_seconds']:.1f} s in "
+    f"training steps ({report['goodput/step_seconds']:.1f} s); start-up and compilation "
+    f"{report['goodput/startup_seconds']:.1f} s, checkpoints {report['goodput/checkpoint_seconds']:.1f} s (blocking "
+    f"the loop), waiting for data {report['goodput/data_seconds']:.1f} s, evaluation "
+    f"{report['goodput/evaluation_seconds']:.1f} s"
+  )
+  if report["goodput/recomputed_steps"]:
+    line += (
+      f"; {report['goodput/recomputed_steps']} steps (about {report['goodput/recomputed_seconds']:.1f} s) trained "
+      "again after the restart"
+    )
+  return line
+
+
 PROFILERS = ("", "xplane")  # `profiler`: none, or a JAX (XPlane) trace that TensorBoard's profile plugin reads
 
 
@@ -198,7 +270,22 @@ class MetricWriter:
         self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
     if config.metrics_file:
       os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-      self.json_file = open(config.metrics_file, "a", encoding="utf-8")
+      self.json_file = open(config.metrics_file, "a+", encoding="utf-8")
+      if self.json_file.tell() > 0:  # A line cut short (a killed run) is ended, so the next record is a line of its own.
+        self.json_file.seek(self.json_file.tell() - 1)
+        if self.json_file.read(1) != "\n":
+          self.json_file.write("\n")
+
+  def write_goodput(self, step: int, report: dict[str, float]) -> None:
+    """The run's goodput report: scalars at its last step in TensorBoard, a {"goodput": ...} line in the file."""
+    if not self.is_main:
+      return
+    if self.tensorboard is not None:
+      for name, value in report.items():
+        self.tensorboard.add_scalar(name, value, step)
+    if self.json_file is not None:
+      self.json_file.write(json.dumps({"goodput": {k.removeprefix("goodput/"): v for k, v in report.items()}}) + "\n")
+      self.json_file.flush()
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.is_main:

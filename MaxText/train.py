@@ -190,6 +190,7 @@ class TrainSummary:
   median_step_time: float = math.nan  # seconds, over the steps after the first
   total_tokens: int = 0  # tokens of the steps run (global batch x max_target_length each)
   peak_memory_bytes: int = 0
+  goodput: dict[str, float] = dataclasses.field(default_factory=dict)  # metrics.Goodput.report()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +226,7 @@ class Run:
   state: state_lib.TrainState
   first_step: int
   data: Iterator | None = None  # the training iterator; None when there is nothing left to do
+  resumed: bool = False  # from the run's own checkpoint
 
   @property
   def run_dir(self) -> str:
@@ -248,6 +250,8 @@ def train(config: Config, devices=None) -> TrainSummary:
   """Runs the training loop on `devices` (default: all); returns what it did."""
   checkpointing.run_dir(config)  # An empty run_name is refused before any work.
   mesh, model, schedule, tx, layout = build(config, devices)
+  state_bytes = compiled_step.state_bytes_per_device(layout.abstract)
+  compiled_step.check_fits("the train state (params and optimizer)", state_bytes, config, mesh, step=False)
   checkpointing.check_start_paths(config, layout)  # Before anything is written.
   input_pipeline.check(config)
   checkpointing.check_shared_run_dir(config)
@@ -288,6 +292,7 @@ def _check_room(config: Config, manager, state: state_lib.TrainState) -> None:
   if "://" in directory or jax.process_count() > 1:
     return
   need = _checkpoint_bytes(config, state)
+  os.makedirs(directory, exist_ok=True)  # The first save makes the folder (nothing is written before the run fits).
   if shutil.disk_usage(directory).free < 2 * need:
     manager.wait_until_finished()
     free = shutil.disk_usage(directory).free
@@ -351,7 +356,8 @@ def compile_step(lowered: jax.stages.Lowered, mesh) -> jax.stages.Compiled:
 
 def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: state_lib.StateLayout) -> Run:
   """Compiles the step ahead of time, in the background while the state is restored or initialised; or loads
-  the one train_compile.py wrote to compiled_trainstep_file, once it is checked to be this run's."""
+  the one train_compile.py wrote to compiled_trainstep_file, once it is checked to be this run's. Nothing is
+  written before the compiled step is known to fit in memory."""
   step = jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     lowered = step.lower()  # Tracing holds the GIL: do it first, here.
@@ -361,24 +367,40 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
     else:
       compiling = pool.submit(compile_step, lowered, mesh)
     start = checkpointing.restore_or_init(config, manager, model, tx, layout)
-    for damaged in start.skipped:
-      cli.log(f"skipped: {damaged}")
-    first_step = int(jax.device_get(start.state.step))
-    cli.write_resolved_config(config, checkpointing.run_dir(config))
-    num_params = metrics.count_params(layout.abstract.params)
-    cli.log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; starting from {start.source}")
-    data = None
-    if first_step < config.steps:
-      data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
-      if start.resumed and config.dataset_type != "synthetic":
-        checkpointing.restore_data(config, manager, first_step, data)
-    compiled = compiling.result()
+    compiled = _compiled(compiling, config, mesh)
+  first_step = int(jax.device_get(start.state.step))
+  data = None
+  if first_step < config.steps:
+    data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
+    if start.resumed and config.dataset_type != "synthetic":
+      checkpointing.restore_data(config, manager, first_step, data)
+  for damaged in start.skipped:
+    cli.log(f"skipped: {damaged}")
+  cli.write_resolved_config(config, checkpointing.run_dir(config))
+  num_params = metrics.count_params(layout.abstract.params)
+  cli.log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; starting from {start.source}")
   eval_fn = jax.jit(
     lambda p, b: eval_step(model, p, b),
     in_shardings=(layout.shardings.params, step.abstract_batch["inputs"].sharding),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )
-  return Run(config, mesh, manager, compiled, eval_fn, start.state, first_step, data)
+  return Run(config, mesh, manager, compiled, eval_fn, start.state, first_step, data, start.resumed)
+
+
+def _compiled(compiling: concurrent.futures.Future, config: Config, mesh) -> jax.stages.Compiled:
+  """The compiled step, once it is known to fit: XLA's out-of-memory verdict when compiling (TPU), or its memory
+  analysis against the devices' memory (host RAM for CPU devices), is a ConfigError with the figures."""
+  try:
+    compiled = compiling.result()
+  except jax.errors.JaxRuntimeError as e:
+    needed = compiled_step.out_of_memory(e)
+    if needed is None:
+      raise
+    raise ConfigError(compiled_step.does_not_fit_line(*needed, mesh.devices.flat[0].device_kind, config)) from None
+  per_device = compiled_step.step_bytes_per_device(compiled, mesh.devices.flat[0].platform)
+  if per_device is not None:
+    compiled_step.check_fits("the train step (state, batch and activations)", per_device, config, mesh, step=True)
+  return compiled
 
 
 def _loop(run: Run) -> TrainSummary:
@@ -386,16 +408,20 @@ def _loop(run: Run) -> TrainSummary:
   config, manager, state = run.config, run.manager, run.state
   cadence = Cadence(config, run.first_step, checkpointing=manager is not None)
   profiler = metrics.Profiler(config, os.path.join(run.run_dir, "tensorboard"))
+  goodput = metrics.Goodput(_PROCESS_START)
+  if run.resumed:
+    goodput.read_earlier_metrics(config.metrics_file, run.first_step)
   writer = metrics.MetricWriter(config, run.run_dir)
   clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, _PROCESS_START)  # Last.
   summary = TrainSummary(first_step=run.first_step)
-  batch = None
+  batch, completed = None, run.first_step
   stop = StopRequest()
   try:
     for step in range(run.first_step, config.steps):
       profiler.before_step(step)
       if batch is None or config.reuse_example_batch <= 0:  # reuse_example_batch: benchmark on one batch.
-        batch = next(run.data)
+        with goodput.waiting("data"):
+          batch = next(run.data)
       state, step_metrics = run.step(state, batch)
       completed = step + 1
       if manager is not None:
@@ -412,10 +438,13 @@ def _loop(run: Run) -> TrainSummary:
       cli.log(metrics.format_step(step, scalars))
       writer.write(step, scalars)
       if evaluate:
-        summary.last_eval = _evaluate_and_log(run, state.params, step, writer)
-        clock.pause_until_now()  # Evaluation time is not step time.
+        with goodput.waiting("evaluation"):
+          summary.last_eval = _evaluate_and_log(run, state.params, step, writer)
       if save:
-        _save(run, state, completed)
+        with goodput.waiting("checkpoint"):
+          _save(run, state, completed)
+      if evaluate or save:
+        clock.pause_until_now()  # Evaluation, and the part of a save that blocks the loop, are not step time.
       if preempted and completed < config.steps:
         what = "preempted" if signal_name == "SIGTERM" else "interrupted"
         if manager is None:
@@ -425,9 +454,15 @@ def _loop(run: Run) -> TrainSummary:
         )
   finally:
     stop.restore()
-    writer.close()
-    if manager is not None:
-      manager.wait_until_finished()  # The save in flight completes (before a stop, too), or its error is raised.
+    try:
+      if manager is not None:
+        with goodput.waiting("checkpoint"):
+          manager.wait_until_finished()  # The save in flight completes (before a stop, too), or its error is raised.
+    finally:
+      summary.goodput = goodput.report()
+      writer.write_goodput(completed, summary.goodput)
+      writer.close()
+      cli.log(metrics.format_goodput(summary.goodput))
   return _finish(summary, config, clock)
 
 

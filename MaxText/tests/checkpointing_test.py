@@ -120,6 +120,9 @@ def test_run_dir_and_checkpoint_dir(tmp_path):
 def test_items_path_takes_a_step_or_items_folder_only(tmp_path):
   items = tmp_path / "checkpoints" / "3" / "items"
   items.mkdir(parents=True)
+  not_yet = _one_line_error(checkpointing.items_path, "load_parameters_path", str(items))
+  assert f"load_parameters_path={items} holds no Orbax checkpoint (no _METADATA or manifest.ocdbt)" in not_yet
+  (items / "_METADATA").touch()
   assert checkpointing.items_path("load_parameters_path", str(items.parent)) == str(items)
   assert checkpointing.items_path("load_parameters_path", str(items)) == str(items)
   missing = _one_line_error(checkpointing.items_path, "load_full_state_path", str(tmp_path / "nope"))
@@ -267,8 +270,10 @@ def test_load_params_is_sharded_and_cast(tmp_path, env, saved, dtype):
 def test_params_path_rules(tmp_path):
   items = tmp_path / "src" / "checkpoints" / "3" / "items"
   items.mkdir(parents=True)
+  (items / "_METADATA").touch()
   other = tmp_path / "other" / "checkpoints" / "8" / "items"
   other.mkdir(parents=True)
+  (other / "_METADATA").touch()
   given = f"load_parameters_path={items.parent}"
   assert checkpointing.params_path(_cfg(tmp_path, "run_name=x", given)) == str(items)
   full = f"load_full_state_path={other}"

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import train
+from MaxText import compiled_step, train
+from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, flip_a_stored_bit, run
 from MaxText.tests.helpers import overrides as overrides_of
 
@@ -72,8 +73,9 @@ def _run_cli(tmp_path, *args, wait=True):
 
 
 def _metrics(path):
+  """The step records of a metrics file (not the goodput reports at the end of each run)."""
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
+    return [record for record in map(json.loads, f) if "step" in record]
 
 
 # Slow enough per step (~10 ms) that a kill lands mid-run; 2 devices, async saves every 10 steps.
@@ -391,3 +393,68 @@ def test_a_damaged_checkpoint_is_skipped_and_the_rerun_resumes_from_the_one_befo
   assert [m["step"] for m in resumed] == [2, 3, 4, 5]
   assert all(m["learning/loss"] == straight[m["step"]] for m in resumed)
   assert {p: p.read_bytes() for p in (checkpoints / "4").rglob("*") if p.is_file()} == damaged
+
+
+@pytest.mark.parametrize(
+  "args, what",
+  [
+    (("base_emb_dim=40000000", "override_model_config=true"), "the train state (params and optimizer) needs"),
+    (("per_device_batch_size=1000000",), "the train step (state, batch and activations) needs"),
+  ],
+)
+def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, args, what):
+  """An absurd size is a ConfigError with the figures: the state's size before it is allocated, the compiled step's
+  memory analysis before the first file is written (on CPU against the host's RAM, all devices together)."""
+  cfg = config(*args, "enable_checkpointing=true", f"base_output_directory={tmp_path}", num_devices=2)
+  with pytest.raises(ConfigError) as e:
+    train.train(cfg, jax.devices()[:2])
+  message = str(e.value)
+  assert message.startswith(what) and "GiB per device (" in message and "GiB for the 2 devices of this host)" in message
+  assert f"more than this host's {compiled_step.host_memory_bytes() / 2**30:.2f} GiB of RAM; try " in message
+  assert os.listdir(tmp_path) == []
+
+
+def test_memory_check_compares_with_the_memory_there_is(tmp_path, monkeypatch):
+  """The same tiny run fits in the host's RAM and is refused, with the figures, when the host has 1 MiB."""
+  cfg = config("steps=1", f"base_output_directory={tmp_path}", "enable_checkpointing=true", num_devices=1)
+  state_bytes = compiled_step.state_bytes_per_device(train.build(cfg, jax.devices()[:1])[-1].abstract)
+  assert 0 < state_bytes < 2**30
+  monkeypatch.setattr(compiled_step, "host_memory_bytes", lambda: 2**20)
+  with pytest.raises(ConfigError, match=r"needs \d+\.\d\d GiB per device, more than this host's 0\.00 GiB of RAM"):
+    train.train(cfg, jax.devices()[:1])
+  monkeypatch.setattr(compiled_step, "host_memory_bytes", lambda: state_bytes + 2**10)  # the state fits, the step not
+  with pytest.raises(ConfigError, match=r"^the train step \(state, batch and activations\) needs"):
+    train.train(cfg, jax.devices()[:1])
+  assert os.listdir(tmp_path) == []
+
+
+def test_goodput_accounts_for_the_wall_time_and_the_steps_trained_again(tmp_path):
+  """The report's parts add up to the wall time; saves and evaluations are counted apart from the steps; a resumed
+  run counts the steps an earlier process logged after the checkpoint it resumes from (as after a kill)."""
+  common = (
+    "enable_checkpointing=true", "async_checkpointing=true", "checkpoint_period=4", "eval_interval=2",
+    "eval_steps=1", "learning_rate_schedule_steps=8", f"metrics_file={tmp_path}/m.jsonl",
+    f"base_output_directory={tmp_path}",
+  )  # fmt: skip
+  first = train.train(config(*common, "steps=4", "log_period=1", num_devices=1), jax.devices()[:1])
+  report = first.goodput
+  parts = ("step", "startup", "data", "checkpoint", "evaluation")
+  assert sum(report[f"goodput/{p}_seconds"] for p in parts) == pytest.approx(report["goodput/wall_seconds"])
+  assert report["goodput/checkpoint_seconds"] > 0 and report["goodput/evaluation_seconds"] > 0
+  assert 0 < report["goodput/productive_fraction"] < 1 and report["goodput/recomputed_steps"] == 0
+  lines = (tmp_path / "m.jsonl").read_text().splitlines()
+  assert json.loads(lines[-1]) == {"goodput": {k.removeprefix("goodput/"): v for k, v in report.items()}}
+
+  # An earlier process got to step 6 after checkpoint 4 and was killed: its records of steps 4-6 are lost work.
+  with open(tmp_path / "m.jsonl", "a", encoding="utf-8") as f:
+    for step, seconds in ((4, 0.5), (5, 0.7), (6, 0.6)):
+      f.write(json.dumps({"step": step, "learning/loss": 1.0, "perf/step_time_seconds": seconds}) + "\n")
+    f.write('{"step": 7, "learning/lo')  # the line the kill cut short
+  resumed = train.train(config(*common, "steps=8", num_devices=1), jax.devices()[:1])
+  assert resumed.first_step == 4
+  assert resumed.goodput["goodput/recomputed_steps"] == 3
+  assert resumed.goodput["goodput/recomputed_seconds"] == pytest.approx(3 * 0.6)
+  lines = (tmp_path / "m.jsonl").read_text().splitlines()
+  cut = lines.index('{"step": 7, "learning/lo')  # ended by the resumed run, whose records follow, one per line
+  after = [json.loads(line) for line in lines[cut + 1 :]]
+  assert after[0]["step"] == 4 and after[-2]["step"] == 7 and "goodput" in after[-1]
