@@ -27,7 +27,7 @@ import re
 import jax
 import numpy as np
 
-from MaxText import integrity
+from MaxText import integrity, storage
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
 from MaxText.state import StateLayout, TrainState, init_state, params_layout, state_from_params
@@ -64,11 +64,11 @@ def run_dir(config: Config) -> str:
   """{base_output_directory}/{run_name}: what a run writes (checkpoints, tensorboard, config.yml)."""
   if not config.run_name:
     raise ConfigError("run_name is empty; pass run_name=NAME (output goes to base_output_directory/NAME)")
-  return os.path.join(config.base_output_directory, config.run_name)  # Absolute: pyconfig.parse made it so.
+  return storage.join(config.base_output_directory, config.run_name)  # Absolute or a URL: pyconfig.parse saw to it.
 
 
 def checkpoint_dir(config: Config) -> str:
-  return os.path.join(run_dir(config), "checkpoints")
+  return storage.join(run_dir(config), "checkpoints")
 
 
 def check_shared_run_dir(config: Config) -> None:
@@ -80,16 +80,15 @@ def check_shared_run_dir(config: Config) -> None:
 
   directory = run_dir(config)
   token = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.default_rng().integers(2**31 - 1))))
-  marker = os.path.join(directory, f".shared_by_all_processes_{token}")
+  marker = storage.join(directory, f".shared_by_all_processes_{token}")
   if jax.process_index() == 0:
-    os.makedirs(directory, exist_ok=True)
-    with open(marker, "w", encoding="utf-8"):
-      pass
+    storage.makedirs(directory)
+    storage.write_text(marker, "")
   multihost_utils.sync_global_devices("marker written")
-  seen = multihost_utils.process_allgather(np.bool_(os.path.exists(marker)))
+  seen = multihost_utils.process_allgather(np.bool_(storage.exists(marker)))
   multihost_utils.sync_global_devices("marker checked")
   if jax.process_index() == 0:
-    os.remove(marker)
+    storage.remove(marker)
   if not np.all(seen):
     blind = [int(i) for i in np.flatnonzero(~np.asarray(seen))]
     raise ConfigError(
@@ -122,7 +121,7 @@ def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
   step = int(jax.device_get(state.step))
   if step in manager.all_steps():
     return False
-  os.makedirs(manager.directory, exist_ok=True)
+  storage.makedirs(str(manager.directory))
   items = {ITEM: ocp.args.StandardSave(state), CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record(state))}
   if data_state is not None:
     import grain.checkpoint  # Only text pipelines have an iterator state, and they need Grain anyway.
@@ -143,15 +142,14 @@ def save_params(directory: str, params) -> str:
   with ocp.CheckpointManager(directory, item_names=(ITEM, CHECKSUM_ITEM)) as manager:
     manager.save(0, args=ocp.args.Composite(**items))
     manager.wait_until_finished()
-  return os.path.join(directory, "0", ITEM)
+  return storage.join(directory, "0", ITEM)
 
 
 def write_checksums(step_dir: str, recorded: dict) -> None:
   """Writes an integrity.record where a checkpoint saved by the CheckpointManager has it (for one written
   without a manager, such as an imported model)."""
-  os.makedirs(os.path.join(step_dir, CHECKSUM_ITEM), exist_ok=True)
-  with open(os.path.join(step_dir, CHECKSUM_ITEM, "metadata"), "w", encoding="utf-8") as f:
-    json.dump(recorded, f)
+  storage.makedirs(storage.join(step_dir, CHECKSUM_ITEM))
+  storage.write_text(storage.join(step_dir, CHECKSUM_ITEM, "metadata"), json.dumps(recorded))
 
 
 def out_of_space(error: BaseException | None) -> bool:
@@ -170,8 +168,7 @@ def complete_steps(config: Config) -> list[int]:
   """The steps of the run's complete checkpoints, oldest first (a save in progress or cut short is still in
   Orbax's temporary folder, whose name is not a number)."""
   directory = checkpoint_dir(config)
-  names = os.listdir(directory) if os.path.isdir(directory) else []
-  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+  return sorted(int(n) for n in storage.listdir(directory) if n.isdigit() and storage.isdir(storage.join(directory, n)))
 
 
 def reached_preemption(manager, step: int) -> bool:
@@ -185,8 +182,8 @@ def restore_data(config: Config, manager, step: int, iterator) -> None:
   import grain.checkpoint
   import orbax.checkpoint as ocp
 
-  where = os.path.join(checkpoint_dir(config), str(step))
-  if not os.path.isdir(os.path.join(where, DATA_ITEM)):
+  where = storage.join(checkpoint_dir(config), str(step))
+  if not storage.isdir(storage.join(where, DATA_ITEM)):
     raise ConfigError(
       f"checkpoint {where} has no data iterator state (saved with dataset_type=synthetic?); resume with the "
       "dataset_type it was saved with, or start a new run_name with load_parameters_path"
@@ -205,14 +202,14 @@ def restore_data(config: Config, manager, step: int, iterator) -> None:
 
 def items_path(key: str, path: str) -> str:
   """Accepts a checkpoint's `items` folder or its step folder; rejects anything else in one line."""
-  path = os.path.expanduser(path)
-  if os.path.isdir(os.path.join(path, ITEM)):
-    path = os.path.join(path, ITEM)
-  if not os.path.isdir(path):
+  path = path if storage.is_remote(path) else os.path.expanduser(path)
+  if storage.isdir(storage.join(path, ITEM)):
+    path = storage.join(path, ITEM)
+  if not storage.isdir(path):
     raise ConfigError(f"{key}={path} does not exist; give a checkpoint's items folder, e.g. RUN/checkpoints/100/items")
   if ".orbax-checkpoint-tmp" in path:
     raise ConfigError(f"{key}={path} is an unfinished checkpoint (its save was interrupted); pick a complete one")
-  if not any(os.path.exists(os.path.join(path, name)) for name in ("_METADATA", "manifest.ocdbt", "_sharding")):
+  if not any(storage.exists(storage.join(path, name)) for name in ("_METADATA", "manifest.ocdbt", "_sharding")):
     raise ConfigError(
       f"{key}={path} holds no Orbax checkpoint (no _METADATA or manifest.ocdbt); give a checkpoint's items folder, "
       "e.g. RUN/checkpoints/100/items"
@@ -238,20 +235,19 @@ def _metadata(path: str):
   try:
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(path).item_metadata.tree
   except Exception as e:  # noqa: BLE001 (any failure to read means unreadable)
-    where = os.path.dirname(path) if os.path.basename(path) == ITEM else path
+    where = storage.dirname(path) if path.rstrip("/").endswith("/" + ITEM) else path
     raise Damaged(where, f"its metadata cannot be read ({_error_text(e)})") from None
 
 
 def _recorded_checksums(items: str) -> dict | None:
   """The integrity.record saved beside the checkpoint's `items` folder; None for a checkpoint saved without one."""
-  path = os.path.join(os.path.dirname(items), CHECKSUM_ITEM, "metadata")
-  if not os.path.exists(path):
+  path = storage.join(storage.dirname(items), CHECKSUM_ITEM, "metadata")
+  if not storage.exists(path):
     return None
   try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
-    raise Damaged(os.path.dirname(items), f"its checksums cannot be read ({_error_text(e)})") from None
+    raise Damaged(storage.dirname(items), f"its checksums cannot be read ({_error_text(e)})") from None
 
 
 def verify(items: str, tree) -> str:
@@ -263,7 +259,7 @@ def verify(items: str, tree) -> str:
   try:
     return f"{integrity.verify(recorded, tree)} arrays verified"
   except integrity.Mismatch as e:
-    raise Damaged(os.path.dirname(items), str(e)) from None
+    raise Damaged(storage.dirname(items), str(e)) from None
 
 
 def check_compatible(path: str, target) -> None:
@@ -321,7 +317,7 @@ def _restore_tree(path: str, target):
       ),
     )
   except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
-    raise Damaged(os.path.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
+    raise Damaged(storage.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
   verify(path, restored)
   return restored
 
@@ -338,7 +334,7 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
 def latest_step(config: Config) -> int | None:
   """The run's latest complete checkpoint step, read from the folder names (unfinished saves are skipped)."""
   where = checkpoint_dir(config)
-  steps = [int(n) for n in os.listdir(where) if n.isdigit()] if os.path.isdir(where) else []
+  steps = [int(n) for n in storage.listdir(where) if n.isdigit()]
   return max(steps, default=None)
 
 
@@ -358,7 +354,7 @@ def params_path(config: Config) -> str:
       f"no parameters to load: load_parameters_path is empty and run_name={config.run_name} has no checkpoint "
       f"in {checkpoint_dir(config)}; give load_parameters_path=PATH/checkpoints/STEP/items"
     )
-  return os.path.join(checkpoint_dir(config), str(step), ITEM)
+  return storage.join(checkpoint_dir(config), str(step), ITEM)
 
 
 def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
@@ -374,7 +370,7 @@ def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
   try:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
   except Exception as e:  # noqa: BLE001 (its metadata matched: a failure to read is damage)
-    raise Damaged(os.path.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
+    raise Damaged(storage.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
   verify(path, restored)
   return restored["params"], path
 
@@ -423,8 +419,8 @@ def _resume(config: Config, manager, layout: StateLayout) -> StartingPoint:
 
   skipped = []
   for step in sorted(manager.all_steps(), reverse=True):
-    where = os.path.join(checkpoint_dir(config), str(step))
-    items = os.path.join(where, ITEM)
+    where = storage.join(checkpoint_dir(config), str(step))
+    items = storage.join(where, ITEM)
     try:
       check_compatible(items, layout.abstract)  # A config that does not match is an error, not damage.
       if config.dataset_type != "synthetic":
@@ -448,11 +444,10 @@ def _resume(config: Config, manager, layout: StateLayout) -> StartingPoint:
 
 def _verify_data_file(where: str) -> None:
   """Checks this process's data state in checkpoint `where` against its checksum (before restoring anything)."""
-  path = os.path.join(where, DATA_ITEM, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-  if os.path.exists(path):  # A missing one is restore_data's error: another process count, or synthetic data.
+  path = storage.join(where, DATA_ITEM, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+  if storage.exists(path):  # A missing one is restore_data's error: another process count, or synthetic data.
     try:
-      with open(path, "rb") as f:
-        integrity.open_data(f.read())
+      integrity.open_data(storage.read_bytes(path))
     except (OSError, integrity.Mismatch) as e:
       raise Damaged(where, str(e)) from None
 

@@ -16,7 +16,7 @@ import traceback
 import jax
 import yaml
 
-from MaxText import checkpointing, distributed, pyconfig, sharding
+from MaxText import checkpointing, distributed, pyconfig, sharding, storage
 from MaxText.common_types import Config, ConfigError
 
 # XLA's CPU fusions restricted to dots and reductions; see compiler_options().
@@ -149,9 +149,8 @@ def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
 def write_resolved_config(config: Config, directory: str) -> None:
   """{directory}/config.yml: the config as resolved, for reproducibility (process 0 only)."""
   if jax.process_index() == 0:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.yml"), "w", encoding="utf-8") as f:
-      yaml.safe_dump(config.as_dict(), f, sort_keys=True)
+    storage.makedirs(directory)
+    storage.write_text(storage.join(directory, "config.yml"), yaml.safe_dump(config.as_dict(), sort_keys=True))
 
 
 def log(message: str) -> None:

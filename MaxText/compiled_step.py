@@ -25,7 +25,7 @@ import jaxlib.version
 import numpy as np
 from jax.experimental import serialize_executable
 
-from MaxText import metrics
+from MaxText import metrics, storage
 from MaxText.common_types import Config, ConfigError
 
 FORMAT = "maxtext-compiled-train-step-1"
@@ -33,7 +33,7 @@ FORMAT = "maxtext-compiled-train-step-1"
 # Keys that never change the compiled step: where output and data come from, logging, evaluation, checkpointing,
 # decoding and job set-up; `hardware` is checked through the devices.
 NOT_IN_STEP = frozenset({
-  "run_name", "base_output_directory", "hardware", "jax_cache_dir", "steps", "log_period", "metrics_file",
+  "run_name", "base_output_directory", "hardware", "jax_cache_dir", "steps", "log_period", "metrics_file", "gcs_metrics",
   "enable_tensorboard", "profiler", "skip_first_n_steps_for_profiler", "profiler_steps", "cpu_peak_tflops",
   "log_config", "model_name", "override_model_config",
   "dataset_type", "data_shuffle_seed", "num_epoch", "tokenizer_path", "tokenizer_type", "add_bos", "add_eos",
@@ -293,21 +293,15 @@ def fingerprint(config: Config, mesh) -> dict:
 def save(path: str, compiled: jax.stages.Compiled, config: Config, mesh) -> None:
   """Writes the executable and its fingerprint to `path` (whole or not at all)."""
   serialized, _, _ = serialize_executable.serialize(compiled)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  partial = f"{path}.partial"
-  with open(partial, "wb") as f:
-    f.write(json.dumps(fingerprint(config, mesh), sort_keys=True).encode() + b"\n")
-    f.write(serialized)
-  os.replace(partial, path)
+  storage.write_bytes(path, json.dumps(fingerprint(config, mesh), sort_keys=True).encode() + b"\n" + serialized)
 
 
 def load(path: str, config: Config, mesh, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
   """The executable in `path`, for the step `lowered` (this run's own), after checking its fingerprint."""
   key = f"compiled_trainstep_file={path}"
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise ConfigError(f"{key}: no such file; write it with train_compile.py and the same keys, or unset it")
-  with open(path, "rb") as f:
-    header, serialized = f.readline(), f.read()
+  header, _, serialized = storage.read_bytes(path).partition(b"\n")
   try:
     stored = json.loads(header)
   except ValueError:

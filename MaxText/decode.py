@@ -17,7 +17,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 import jax
 import numpy as np
 
-from MaxText import checkpointing, cli, sharding
+from MaxText import checkpointing, cli, sharding, storage
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference import decoding
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
@@ -34,12 +34,12 @@ def load_tokenizer(config: Config) -> tokenizer_lib.Tokenizer:
 def read_prompts(config: Config) -> list[str]:
   if not config.decode_prompts_file:
     return [config.prompt]
-  path = os.path.expanduser(config.decode_prompts_file)
-  if not os.path.isfile(path):
+  path = config.decode_prompts_file
+  path = path if storage.is_remote(path) else os.path.expanduser(path)
+  if not storage.isfile(path):
     raise ConfigError(f"decode_prompts_file={path} does not exist; give a UTF-8 file with one prompt per line")
   try:
-    with open(path, encoding="utf-8") as f:
-      prompts = [line.rstrip("\n") for line in f if line.strip()]
+    prompts = [line for line in storage.read_text(path).split("\n") if line.strip()]
   except UnicodeDecodeError as e:
     raise ConfigError(f"decode_prompts_file={path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
   if not prompts:

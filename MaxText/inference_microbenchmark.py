@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from MaxText import checkpointing, cli, metrics, sharding
+from MaxText import checkpointing, cli, metrics, sharding, storage
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference import decoding
@@ -129,8 +129,9 @@ def benchmark(config: Config) -> list[dict]:
       results.append(row)
       print(_describe(row), flush=True)
   if config.inference_microbenchmark_log_file_path:
-    with open(os.path.expanduser(config.inference_microbenchmark_log_file_path), "w", encoding="utf-8") as f:
-      json.dump({"device": device.device_kind, "devices": len(mesh.devices.flat), "results": results}, f, indent=1)
+    path = config.inference_microbenchmark_log_file_path
+    log = {"device": device.device_kind, "devices": len(mesh.devices.flat), "results": results}
+    storage.write_text(path if storage.is_remote(path) else os.path.expanduser(path), json.dumps(log, indent=1))
   return results
 
 

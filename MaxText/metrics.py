@@ -5,13 +5,13 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import resource
 import statistics
 import time
 
 import jax
 
+from MaxText import storage
 from MaxText.common_types import Config
 
 
@@ -182,17 +182,16 @@ class Goodput:
 
   def read_earlier_metrics(self, metrics_file: str, first_step: int) -> None:
     """Counts the steps at or after `first_step` that earlier processes logged to `metrics_file` (a resumed run)."""
-    if not metrics_file or not os.path.isfile(metrics_file):
+    if not metrics_file or not storage.isfile(metrics_file):
       return
     times = {}
-    with open(metrics_file, encoding="utf-8") as f:
-      for line in f:
-        try:
-          record = json.loads(line)
-        except ValueError:
-          continue  # A line cut short by a kill.
-        if isinstance(record, dict) and record.get("step", -1) >= first_step and "perf/step_time_seconds" in record:
-          times[record["step"]] = record["perf/step_time_seconds"]
+    for line in storage.read_text(metrics_file).splitlines():
+      try:
+        record = json.loads(line)
+      except ValueError:
+        continue  # A line cut short by a kill.
+      if isinstance(record, dict) and record.get("step", -1) >= first_step and "perf/step_time_seconds" in record:
+        times[record["step"]] = record["perf/step_time_seconds"]
     if times:
       self.recomputed_steps = max(times) + 1 - first_step
       self.recomputed_seconds = statistics.median(times.values()) * self.recomputed_steps
@@ -252,13 +251,14 @@ class Profiler:
 
 
 class MetricWriter:
-  """Writes one record per logged step to stdout, TensorBoard and `metrics_file` (process 0 only)."""
+  """Writes one record per logged step to TensorBoard, `metrics_file` and, with gcs_metrics=true (MaxText's key),
+  {run_dir}/metrics/metrics.jsonl (process 0 only). Any of them may be on a bucket (storage.AppendedText)."""
 
   def __init__(self, config: Config, run_dir: str):
     self.config = config
     self.is_main = jax.process_index() == 0
     self.tensorboard = None
-    self.json_file = None
+    self.files = []
     if not self.is_main:
       return
     if config.enable_tensorboard:
@@ -267,14 +267,11 @@ class MetricWriter:
       except ImportError:
         print("warning: tensorboardX is not installed; set enable_tensorboard=false to silence this", flush=True)
       else:
-        self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-    if config.metrics_file:
-      os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-      self.json_file = open(config.metrics_file, "a+", encoding="utf-8")
-      if self.json_file.tell() > 0:  # A line cut short (a killed run) is ended, so the next record is a line of its own.
-        self.json_file.seek(self.json_file.tell() - 1)
-        if self.json_file.read(1) != "\n":
-          self.json_file.write("\n")
+        self.tensorboard = SummaryWriter(storage.join(run_dir, "tensorboard"))
+    paths = [config.metrics_file] if config.metrics_file else []
+    if config.gcs_metrics:
+      paths.append(metrics_path(run_dir))
+    self.files = [storage.AppendedText(path) for path in paths]
 
   def write_goodput(self, step: int, report: dict[str, float]) -> None:
     """The run's goodput report: scalars at its last step in TensorBoard, a {"goodput": ...} line in the file."""
@@ -283,9 +280,8 @@ class MetricWriter:
     if self.tensorboard is not None:
       for name, value in report.items():
         self.tensorboard.add_scalar(name, value, step)
-    if self.json_file is not None:
-      self.json_file.write(json.dumps({"goodput": {k.removeprefix("goodput/"): v for k, v in report.items()}}) + "\n")
-      self.json_file.flush()
+    for file in self.files:
+      file.write_line(json.dumps({"goodput": {k.removeprefix("goodput/"): v for k, v in report.items()}}))
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.is_main:
@@ -294,15 +290,19 @@ class MetricWriter:
       for name, value in scalars.items():
         if value is not None:
           self.tensorboard.add_scalar(name, value, step)
-    if self.json_file is not None:
-      self.json_file.write(json.dumps({"step": step, **scalars}) + "\n")
-      self.json_file.flush()
+    for file in self.files:
+      file.write_line(json.dumps({"step": step, **scalars}))
 
   def close(self) -> None:
     if self.tensorboard is not None:
       self.tensorboard.close()
-    if self.json_file is not None:
-      self.json_file.close()
+    for file in self.files:
+      file.close()
+
+
+def metrics_path(run_dir: str) -> str:
+  """Where gcs_metrics=true writes the run's metrics."""
+  return storage.join(run_dir, "metrics", "metrics.jsonl")
 
 
 def format_step(step: int, scalars: dict[str, float]) -> str:

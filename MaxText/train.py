@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, sharding  # noqa: E402
+from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, sharding, storage  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
@@ -277,7 +277,7 @@ def _full_disk_stops_the_run(config: Config, layout: state_lib.StateLayout):
   try:
     yield
   except Exception as e:
-    if not checkpointing.out_of_space(e):
+    if not checkpointing.out_of_space(e) or storage.is_remote(checkpointing.checkpoint_dir(config)):
       raise
     free = shutil.disk_usage(checkpointing.checkpoint_dir(config)).free
     raise TrainingError(_full_disk(config, _checkpoint_bytes(config, layout.abstract), free)) from None
@@ -289,7 +289,7 @@ def _check_room(config: Config, manager, state: state_lib.TrainState) -> None:
   has not taken all its space yet: when space is short, it is waited for and the disk measured again. In a
   multi-process job the processes would have to agree, so only the error path of _full_disk_stops_the_run applies."""
   directory = checkpointing.checkpoint_dir(config)
-  if "://" in directory or jax.process_count() > 1:
+  if storage.is_remote(directory) or jax.process_count() > 1:
     return
   need = _checkpoint_bytes(config, state)
   os.makedirs(directory, exist_ok=True)  # The first save makes the folder (nothing is written before the run fits).
@@ -378,7 +378,8 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
     cli.log(f"skipped: {damaged}")
   cli.write_resolved_config(config, checkpointing.run_dir(config))
   num_params = metrics.count_params(layout.abstract.params)
-  cli.log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; starting from {start.source}")
+  origin = start.source if start.resumed else f"starting from {start.source}"
+  cli.log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; {origin}")
   eval_fn = jax.jit(
     lambda p, b: eval_step(model, p, b),
     in_shardings=(layout.shardings.params, step.abstract_batch["inputs"].sharding),
@@ -407,7 +408,7 @@ def _loop(run: Run) -> TrainSummary:
   """Steps from run.first_step to config.steps; logs, evaluates and saves when Cadence says."""
   config, manager, state = run.config, run.manager, run.state
   cadence = Cadence(config, run.first_step, checkpointing=manager is not None)
-  profiler = metrics.Profiler(config, os.path.join(run.run_dir, "tensorboard"))
+  profiler = metrics.Profiler(config, storage.join(run.run_dir, "tensorboard"))
   goodput = metrics.Goodput(_PROCESS_START)
   if run.resumed:
     goodput.read_earlier_metrics(config.metrics_file, run.first_step)
