@@ -182,7 +182,8 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
   codes = finish(job)
   assert codes == [0, 0], log_tail(out, "two_0") + log_tail(out, "two_1")
   with open(f"{out}/two.jsonl", encoding="utf-8") as f:
-    assert len(f.readlines()) == 4  # One line per step: only process 0 writes metrics.
+    lines = f.readlines()
+  assert len(lines) == 5 and '"goodput"' in lines[-1]  # A line per step and the goodput: only process 0 writes.
   assert sorted(os.listdir(f"{out}/two/checkpoints")) == ["2", "4"]
 
   one = start_train(out, "one", 8, "run_name=one", "ici_fsdp_parallelism=8", "steps=6", f"metrics_file={out}/one.jsonl")
