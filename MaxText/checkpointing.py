@@ -21,7 +21,6 @@ error.
 import dataclasses
 import errno
 import json
-import os
 import re
 
 import jax
@@ -202,7 +201,7 @@ def restore_data(config: Config, manager, step: int, iterator) -> None:
 
 def items_path(key: str, path: str) -> str:
   """Accepts a checkpoint's `items` folder or its step folder; rejects anything else in one line."""
-  path = path if storage.is_remote(path) else os.path.expanduser(path)
+  path = storage.expand(path)
   if storage.isdir(storage.join(path, ITEM)):
     path = storage.join(path, ITEM)
   if not storage.isdir(path):

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import yaml
 
-from MaxText import checkpointing, cli, families, state
+from MaxText import checkpointing, cli, families, state, storage
 from MaxText.common_types import Config, ConfigError
 from MaxText.convert import get, param_path, put, staged
 from MaxText.convert.streaming import HFTensors, LazyArray, save_params
@@ -155,6 +155,12 @@ def convert(config: Config, argv: list[str]) -> str:
     raise ConfigError(f"model_name={config.model_name}: the importer takes the model from config.json; drop model_name")
   folder = os.path.expanduser(config.hf_model_path)
   keys = families.model_keys_from_hf(read_hf_config(folder))
+  if storage.is_remote(config.base_output_directory):
+    raise ConfigError(
+      f"base_output_directory={config.base_output_directory}: the importer writes to a local folder (it stages the "
+      "checkpoint and renames it into place); import locally, then copy the run folder to the bucket "
+      "(gsutil -m cp -r) and load it from there"
+    )
   target = os.path.join(checkpointing.checkpoint_dir(config), "0")
   if os.path.exists(target):
     raise ConfigError(f"{target} already exists; choose another run_name (an existing checkpoint is never overwritten)")

@@ -7,7 +7,6 @@ prints ``Input `PROMPT` -> `OUTPUT` `` per prompt, then the prefill time, the ti
 tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output starts with TEXT.
 """
 
-import os
 import sys
 import time
 
@@ -34,8 +33,7 @@ def load_tokenizer(config: Config) -> tokenizer_lib.Tokenizer:
 def read_prompts(config: Config) -> list[str]:
   if not config.decode_prompts_file:
     return [config.prompt]
-  path = config.decode_prompts_file
-  path = path if storage.is_remote(path) else os.path.expanduser(path)
+  path = storage.expand(config.decode_prompts_file)
   if not storage.isfile(path):
     raise ConfigError(f"decode_prompts_file={path} does not exist; give a UTF-8 file with one prompt per line")
   try:

@@ -9,7 +9,6 @@ run. force_unroll=true stores the layers unscanned (layers_0, layers_1, ...) for
 decoding. An existing checkpoint is never overwritten.
 """
 
-import os
 import sys
 
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
@@ -17,7 +16,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 
-from MaxText import checkpointing, cli, sharding
+from MaxText import checkpointing, cli, sharding, storage
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
@@ -36,7 +35,7 @@ def generate(config: Config) -> str:
   if not (config.load_full_state_path or config.load_parameters_path):
     raise ConfigError("give the training checkpoint to convert: load_full_state_path=RUN/checkpoints/STEP/items")
   target = checkpointing.checkpoint_dir(config)
-  if os.path.exists(target) and os.listdir(target):
+  if storage.listdir(target):
     raise ConfigError(f"{target} already holds checkpoints; pick a new run_name for the params-only checkpoint")
   mesh = sharding.create_mesh(config)
   abstract, _ = state_lib.params_layout(models.Transformer(config, mesh), config, mesh)

@@ -13,7 +13,6 @@ time: the memory bandwidth used, and its fraction of the device's peak where tha
 """
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -131,7 +130,7 @@ def benchmark(config: Config) -> list[dict]:
   if config.inference_microbenchmark_log_file_path:
     path = config.inference_microbenchmark_log_file_path
     log = {"device": device.device_kind, "devices": len(mesh.devices.flat), "results": results}
-    storage.write_text(path if storage.is_remote(path) else os.path.expanduser(path), json.dumps(log, indent=1))
+    storage.write_text(storage.expand(path), json.dumps(log, indent=1))
   return results
 
 

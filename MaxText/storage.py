@@ -25,6 +25,11 @@ def _epath(path: str):
   return epath.Path(path)
 
 
+def expand(path: str) -> str:
+  """A local path with ~ expanded; a URL as it is."""
+  return path if is_remote(path) else os.path.expanduser(path)
+
+
 def join(path: str, *parts: str) -> str:
   return posixpath.join(path, *parts) if is_remote(path) else os.path.join(path, *parts)
 

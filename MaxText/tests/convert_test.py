@@ -141,6 +141,13 @@ def test_existing_checkpoint_is_never_overwritten(trained, tmp_path, capsys):
   assert sorted(os.listdir(items)) == before
 
 
+def test_import_to_a_bucket_says_how(trained, capsys):
+  """The importer stages a local folder and renames it into place: a gs:// output is refused before any work."""
+  _, _, hf = trained
+  assert _import(hf, "gs://some-bucket/runs") == 2
+  assert "import locally, then copy the run folder to the bucket" in capsys.readouterr().err
+
+
 def test_export_refuses_a_non_empty_folder(trained, tmp_path, capsys):
   _, items, _ = trained
   (tmp_path / "taken").mkdir()
