@@ -308,17 +308,44 @@ def _restore_tree(path: str, target):
   import orbax.checkpoint as ocp
 
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  as_stored = _in_stored_dtypes(path, target)
   try:
     restored = checkpointer.restore(
       path,
       args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+        item=as_stored, restore_args=ocp.checkpoint_utils.construct_restore_args(as_stored), partial_restore=True
       ),
     )
   except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
-    raise Damaged(storage.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
+    raise _unreadable(storage.dirname(path), e) from None
   verify(path, restored)
-  return restored
+  return _cast_like(restored, target)
+
+
+def _in_stored_dtypes(items: str, target):
+  """`target` (abstract, with shardings) in the dtypes its leaves are stored in at `items`: restored as saved, a
+  state can be verified against its checksums, then cast (a bfloat16 import fine-tuned in float32, say)."""
+  stored = {integrity.leaf_name(p): leaf.dtype for p, leaf in jax.tree_util.tree_leaves_with_path(_metadata(items))}
+
+  def as_stored(path, leaf):
+    dtype = stored.get(integrity.leaf_name(path), leaf.dtype)
+    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=getattr(leaf, "sharding", None))
+
+  return jax.tree_util.tree_map_with_path(as_stored, target)
+
+
+def _cast_like(tree, target):
+  """`tree` in `target`'s dtypes and shardings; `tree` itself when the dtypes already match."""
+  pairs = zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(target), strict=True)
+  if all(x.dtype == t.dtype for x, t in pairs):
+    return tree
+  shardings = jax.tree_util.tree_map(lambda t: t.sharding, target)
+  cast = jax.jit(lambda tr: jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), tr, target), out_shardings=shardings)
+  return cast(tree)
+
+
+def _unreadable(where: str, error: Exception) -> "Damaged":
+  return Damaged(where, f"its arrays cannot be read ({_error_text(error)})")
 
 
 def check_start_paths(config: Config, layout: StateLayout) -> None:
@@ -369,7 +396,7 @@ def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
   try:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
   except Exception as e:  # noqa: BLE001 (its metadata matched: a failure to read is damage)
-    raise Damaged(storage.dirname(path), f"its arrays cannot be read ({_error_text(e)})") from None
+    raise _unreadable(storage.dirname(path), e) from None
   verify(path, restored)
   return restored["params"], path
 
@@ -413,32 +440,72 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
 
 
 def _resume(config: Config, manager, layout: StateLayout) -> StartingPoint:
-  """The newest of the run's checkpoints that can be read and verifies, with the damaged newer ones named."""
-  import orbax.checkpoint as ocp
-
-  skipped = []
+  """The newest of the run's checkpoints that can be read and verifies. The damaged newer ones are named, and
+  set aside as <step>.damaged (kept for inspection; the run saves those steps again); when none verifies, nothing
+  is moved and the run stops."""
+  damaged = []
   for step in sorted(manager.all_steps(), reverse=True):
     where = storage.join(checkpoint_dir(config), str(step))
-    items = storage.join(where, ITEM)
     try:
-      check_compatible(items, layout.abstract)  # A config that does not match is an error, not damage.
-      if config.dataset_type != "synthetic":
-        _verify_data_file(where)
-      try:
-        state = manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(layout.abstract)}))[ITEM]
-      except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
-        raise Damaged(where, f"its arrays cannot be read ({_error_text(e)})") from None
-      verified = verify(items, state)
-      damage = None
+      state, verified = _restore_step(config, manager, step, where, layout)
     except Damaged as e:
-      damage = e
-    if _all_processes_agree(damage is None):
-      return StartingPoint(state, f"resumed from {where} ({verified})", resumed=True, skipped=tuple(skipped))
-    skipped.append(str(damage or f"checkpoint {where} is damaged on another process"))
+      damaged.append((where, str(e)))
+      continue
+    skipped = tuple(f"{reason}; set aside as {_set_aside(where)}" for where, reason in damaged)
+    if damaged:
+      manager.reload()
+    return StartingPoint(state, f"resumed from {where} ({verified})", resumed=True, skipped=skipped)
   raise ConfigError(
-    f"no checkpoint in {checkpoint_dir(config)} can be resumed from ({'; '.join(skipped)}); move them out of that "
-    "folder to start the run over, or use a new run_name"
+    f"no checkpoint in {checkpoint_dir(config)} can be resumed from ({'; '.join(r for _, r in damaged)}); move them "
+    "out of that folder to start the run over, or use a new run_name"
   )
+
+
+def _restore_step(config: Config, manager, step: int, where: str, layout: StateLayout):
+  """(state, what was verified) of checkpoint <step>: restored in its stored dtypes, verified, cast to the
+  layout's. Damaged, on every process alike, when any process cannot read its part or it does not verify (the
+  processes agree after each stage, so none is left waiting in a collective the others skipped)."""
+  import orbax.checkpoint as ocp
+
+  items = storage.join(where, ITEM)
+
+  def agree(damage: Damaged | None) -> None:
+    if not _all_processes_agree(damage is None):
+      raise damage or Damaged(where, "another process of the job cannot read it")
+
+  damage = None
+  try:
+    check_compatible(items, layout.abstract)  # A config that does not match is an error, not damage.
+    if config.dataset_type != "synthetic":
+      _verify_data_file(where)
+  except Damaged as e:
+    damage = e
+  agree(damage)
+  as_stored = _in_stored_dtypes(items, layout.abstract)
+  try:
+    state = manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(as_stored)}))[ITEM]
+  except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
+    damage = _unreadable(where, e)
+  agree(damage)
+  verified = verify(items, state)  # A global computation: the same verdict on every process.
+  return _cast_like(state, layout.abstract), verified
+
+
+def _set_aside(where: str) -> str:
+  """Renames a damaged checkpoint folder to <step>.damaged (not a step number, so no longer a checkpoint);
+  process 0 does it, the others wait."""
+  target = f"{where}.damaged"
+  if jax.process_index() == 0:
+    suffix = 1
+    while storage.exists(target):
+      suffix += 1
+      target = f"{where}.damaged{suffix}"
+    storage.rename(where, target)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("damaged checkpoint set aside")
+  return target
 
 
 def _verify_data_file(where: str) -> None:

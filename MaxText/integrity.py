@@ -26,12 +26,24 @@ class Mismatch(Exception):
 
 
 def _bits(x: jax.Array) -> jax.Array:
-  """The elements' bit patterns as a flat uint32 vector."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
+  """The elements' bit patterns as uint32, in the array's own shape (no reshape: a sharded array stays where it
+  is); an 8-byte element becomes two words on a new last axis, low word first (NumPy's little-endian view)."""
   if x.dtype == jnp.bool_:
-    return x.reshape(-1).astype(jnp.uint32)
-  return jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).reshape(-1).astype(jnp.uint32)
+    return x.astype(jnp.uint32)
+  if x.dtype.itemsize == 8:
+    wide = jax.lax.bitcast_convert_type(x, jnp.uint64)
+    return jnp.stack([(wide & 0xFFFFFFFF).astype(jnp.uint32), (wide >> 32).astype(jnp.uint32)], axis=-1)
+  return jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+
+
+def _flat_positions(shape: tuple[int, ...]) -> jax.Array:
+  """Each element's C-order position in an array of `shape`, modulo 2**32, built from iotas over the shape."""
+  position = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    position = position + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+    stride *= shape[axis]
+  return position
 
 
 def _fmix32(h: jax.Array) -> jax.Array:
@@ -44,7 +56,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
 
 def _checksum(x: jax.Array) -> jax.Array:
   bits = _bits(x)
-  i = jnp.arange(bits.size, dtype=jnp.uint32)
+  i = _flat_positions(bits.shape)
   weighted = jnp.sum(bits * (2 * i + 1), dtype=jnp.uint32)
   mixed = jnp.sum(_fmix32(bits + i * jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
   return jnp.stack([weighted, mixed])

@@ -203,7 +203,8 @@ class Goodput:
     steps = now - self.loop_start - sum(self.waits.values())
     return {
       "goodput/wall_seconds": total,
-      "goodput/productive_fraction": steps / total if total > 0 else 0.0,
+      # Steps trained again after a restart are not progress: their earlier time comes off the productive part.
+      "goodput/productive_fraction": max(steps - self.recomputed_seconds, 0.0) / total if total > 0 else 0.0,
       "goodput/step_seconds": steps,
       "goodput/startup_seconds": startup,
       **{f"goodput/{what}_seconds": seconds for what, seconds in self.waits.items()},

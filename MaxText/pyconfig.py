@@ -263,10 +263,21 @@ def _check_run_name(values: Mapping) -> None:
     )
 
 
+def _check_local_paths(values: Mapping) -> None:
+  """Paths read by libraries that take local files only (SentencePiece, safetensors, the HF folder layout)."""
+  for key in ("tokenizer_path", "hf_model_path"):
+    if "://" in values[key]:
+      raise ConfigError(
+        f"{key}={values[key]} must be a local path; copy it first (e.g. gsutil -m cp -r {values[key]} .) or use a "
+        "gcsfuse mount"
+      )
+
+
 def _validate(values: Mapping) -> None:
   """Checks that need no devices: choices, ranges, the model's shape, the axis rules, and the family's own."""
   _check_choices(values)
   _check_run_name(values)
+  _check_local_paths(values)
   _check_model(values)
   _check_training(values)
   _check_axis_rules(values)

@@ -65,6 +65,17 @@ def makedirs(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
+def rename(path: str, target: str) -> None:
+  """Moves a file or folder (on a bucket: copies its objects and deletes them)."""
+  if is_remote(path):
+    import fsspec  # gcsfs's interface, as etils.epath uses it; moves a "folder" object by object
+
+    fs, source = fsspec.core.url_to_fs(path)
+    fs.mv(source, fsspec.core.url_to_fs(target)[1], recursive=True)
+  else:
+    os.rename(path, target)
+
+
 def remove(path: str) -> None:
   if is_remote(path):
     _epath(path).unlink()

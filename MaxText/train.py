@@ -411,7 +411,8 @@ def _loop(run: Run) -> TrainSummary:
   profiler = metrics.Profiler(config, storage.join(run.run_dir, "tensorboard"))
   goodput = metrics.Goodput(_PROCESS_START)
   if run.resumed:
-    goodput.read_earlier_metrics(config.metrics_file, run.first_step)
+    earlier = config.metrics_file or (metrics.metrics_path(run.run_dir) if config.gcs_metrics else "")
+    goodput.read_earlier_metrics(earlier, run.first_step)
   writer = metrics.MetricWriter(config, run.run_dir)
   clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, _PROCESS_START)  # Last.
   summary = TrainSummary(first_step=run.first_step)

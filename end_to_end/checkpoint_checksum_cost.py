@@ -3,7 +3,8 @@
   python3 end_to_end/checkpoint_checksum_cost.py [--gib 1] [--rounds 3] [--devices 1] [--dir /tmp/checksum_cost]
 
 Saves are synchronous here (the time until the checkpoint is complete); in training the Orbax write runs in the
-background and only the checksums (computed on the devices before the write starts) block the loop. Rounds
+background, and what blocks the loop is the checksums (computed on the devices before the write starts) and
+Orbax's copy of the state to host memory. Rounds
 alternate the two variants so that drift of the machine's speed hits both.
 """
 

@@ -367,16 +367,29 @@ def test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies(tmp_path
   assert_trees_equal(start.state, env.variant(2))
   [skipped] = start.skipped
   assert skipped.startswith(f"checkpoint {newest}") and "is damaged: " in skipped and reason in skipped, skipped
-  assert "\n" not in skipped
+  assert skipped.endswith(f"; set aside as {newest}.damaged") and "\n" not in skipped
+  assert sorted(os.listdir(checkpointing.checkpoint_dir(cfg))) == ["2", "5.damaged"]  # 5 is saved again later
 
   # The same checkpoint given as load_full_state_path: an error, not a fallback.
-  items = os.path.join(newest, checkpointing.ITEM)
+  items = os.path.join(f"{newest}.damaged", checkpointing.ITEM)
   full = _cfg(tmp_path, "run_name=full", f"load_full_state_path={items}")
   start_or_check = checkpointing.check_start_paths if damage == "no _METADATA" else lambda c, _: _start(c, env)
   assert reason in _one_line_error(start_or_check, full, env.layout)
   if damage != "truncated files":  # (which may hit the optimizer state only)
     params_only = _cfg(tmp_path, "run_name=other", f"load_parameters_path={items}")
     assert reason in _one_line_error(checkpointing.load_params, params_only, env.mesh, jnp.float32)
+
+
+def test_a_bfloat16_checkpoint_is_verified_then_cast_for_a_float32_run(tmp_path, env):
+  """A bfloat16 import fine-tuned in float32: restored as stored, verified against its checksums, then cast."""
+  params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), env.variant(3).params)
+  items = checkpointing.save_params(str(tmp_path / "bf16"), params)
+  cfg = _cfg(tmp_path, "run_name=other", f"load_parameters_path={items}")
+  start = _start(cfg, env)
+  assert start.source == f"params from {items}"
+  want = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
+  assert_trees_equal(start.state.params, want)
+  _assert_layout_shardings(start.state, env)
 
 
 def test_a_damaged_params_only_checkpoint_is_an_error(tmp_path, env):
@@ -399,6 +412,7 @@ def test_resume_fails_when_no_checkpoint_verifies(tmp_path, env):
   message = _one_line_error(_start, cfg, env)
   assert message.startswith(f"no checkpoint in {tmp_path}/r/checkpoints can be resumed from (checkpoint ")
   assert "/5 is damaged" in message and "/2 is damaged" in message and "start the run over" in message
+  assert sorted(os.listdir(checkpointing.checkpoint_dir(cfg))) == ["2", "5"]  # nothing moved: the run stops
 
 
 def test_a_damaged_data_state_is_skipped_too(tmp_path, env):

@@ -44,6 +44,7 @@ PROBED = [
   ["steps=3", "steps=4x"],
   ["model_name=no_such_model"],
   ["base_num_query_heads=3", "base_num_kv_heads=2"],
+  ["tokenizer_path=gs://bucket/tokenizer.model"],
 ]
 
 _NOT_NUMBERS = ["abc", "[1, 2]", "{a: 1}", "1..2", "0x", "--3", "one"]

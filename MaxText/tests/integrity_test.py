@@ -91,3 +91,13 @@ def test_data_state_seal():
     integrity.open_data(sealed[:-3])
   legacy = b'{"next_index": 12}'  # saved before checksums: passed on as it is
   assert integrity.open_data(legacy) == legacy
+
+
+def test_eight_byte_elements_agree_between_device_and_numpy():
+  """float64 / int64 (jax_enable_x64): two words per element, low word first, in both computations."""
+  rng = np.random.default_rng(4)
+  host = {"f64": rng.standard_normal((3, 5)), "i64": rng.integers(-(2**62), 2**62, size=(7,))}
+  with jax.enable_x64(True):
+    device = jax.tree_util.tree_map(jnp.asarray, host)
+    assert device["f64"].dtype == jnp.float64
+    assert integrity.record(device) == integrity.record(host)

@@ -373,8 +373,8 @@ def test_reuse_example_batch_trains_on_the_first_batch_every_step():
 
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_skipped_and_the_rerun_resumes_from_the_one_before(tmp_path):
-  """A bit flipped in the newest checkpoint: the rerun names it, resumes from the one before with the
-  uninterrupted run's losses, and leaves the damaged one as it was."""
+  """A bit flipped in the newest checkpoint: the rerun names it, sets it aside as 4.damaged (as it was), resumes
+  from the one before with the uninterrupted run's losses and saves step 4 again."""
   common = ("async_checkpointing=false", "checkpoint_period=2", "log_period=1", "learning_rate_schedule_steps=6")
   rc, _, err = _run_cli(tmp_path, "run_name=straight", "steps=6", *common, f"metrics_file={tmp_path}/straight.jsonl")
   assert rc == 0, err
@@ -388,12 +388,18 @@ def test_a_damaged_checkpoint_is_skipped_and_the_rerun_resumes_from_the_one_befo
   assert rc == 0, err
   assert f"skipped: checkpoint {checkpoints}/4 is damaged: params.decoder_norm.scale differs from what was saved" in out
   assert f"resumed from {checkpoints}/2 (" in out and "arrays verified)" in out
-  assert f"checkpoint 4 exists already in {checkpoints}; kept as it is" in out
+  assert f"set aside as {checkpoints}/4.damaged" in out and f"saving checkpoint 4 to {checkpoints}" in out
   straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "straight.jsonl")}
   resumed = _metrics(tmp_path / "resumed.jsonl")
   assert [m["step"] for m in resumed] == [2, 3, 4, 5]
   assert all(m["learning/loss"] == straight[m["step"]] for m in resumed)
-  assert {p: p.read_bytes() for p in (checkpoints / "4").rglob("*") if p.is_file()} == damaged
+  aside = {
+    checkpoints / "4" / p.relative_to(checkpoints / "4.damaged"): p.read_bytes()
+    for p in (checkpoints / "4.damaged").rglob("*")
+    if p.is_file()
+  }
+  assert aside == damaged
+  assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "4.damaged", "6"]
 
 
 @pytest.mark.parametrize(
