@@ -186,14 +186,17 @@ def _tries(config: Config, step: bool, more: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- before a run
 def host_memory_bytes() -> int:
-  """This host's RAM, or the memory limit of its cgroup (a container) when that is lower."""
+  """This host's RAM, or the memory limit of its cgroup (a container; cgroup v2 or v1) when that is lower."""
   total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  try:
-    with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
-      limit = f.read().strip()
-  except OSError:
-    return total
-  return min(total, int(limit)) if limit.isdigit() else total
+  for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(limit_file, encoding="ascii") as f:
+        limit = f.read().strip()
+    except OSError:
+      continue
+    if limit.isdigit():
+      return min(total, int(limit))
+  return total
 
 
 def _memory_of(mesh) -> tuple[int, int, str]:

@@ -121,8 +121,8 @@ class AppendedText:
     self.remote = is_remote(path)
     if self.remote:
       self.buffer = io.StringIO()
-      if exists(path):
-        self.buffer.write(read_text(path))
+      earlier = read_text(path) if exists(path) else ""
+      self.buffer.write(earlier if not earlier or earlier.endswith("\n") else earlier + "\n")
       self.last_upload = 0.0
       return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -134,9 +134,6 @@ class AppendedText:
 
   def write_line(self, line: str) -> None:
     if self.remote:
-      text = self.buffer.getvalue()
-      if text and not text.endswith("\n"):
-        self.buffer.write("\n")
       self.buffer.write(line + "\n")
       if time.time() - self.last_upload >= self.upload_every:
         self._upload()

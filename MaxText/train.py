@@ -385,7 +385,17 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
     in_shardings=(layout.shardings.params, step.abstract_batch["inputs"].sharding),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )
-  return Run(config, mesh, manager, compiled, eval_fn, start.state, first_step, data, start.resumed)
+  return Run(
+    config=config,
+    mesh=mesh,
+    manager=manager,
+    step=compiled,
+    eval_fn=eval_fn,
+    state=start.state,
+    first_step=first_step,
+    data=data,
+    resumed=start.resumed,
+  )
 
 
 def _compiled(compiling: concurrent.futures.Future, config: Config, mesh) -> jax.stages.Compiled:
