@@ -112,7 +112,7 @@ def check_output_paths(config: Config) -> None:
 def check_writable(key: str, path: str, folder: bool) -> None:
   """ConfigError unless the local absolute `path` (a folder, or a file) exists as that kind and is writable, or
   can be created: its nearest existing ancestor is a writable folder."""
-  if "://" in path:
+  if storage.is_remote(path):
     return
   if os.path.isdir(path) != folder and os.path.exists(path):
     kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMAT = 1
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}  # 8-byte elements become two uint32 words
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}  # (8-byte elements: two uint32 words, see _bits)
 
 
 class Mismatch(Exception):

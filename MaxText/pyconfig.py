@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from MaxText import families, input_pipeline, metrics
+from MaxText import families, input_pipeline, metrics, storage
 from MaxText.common_types import Config, ConfigError, freeze
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
@@ -248,7 +248,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
 
 def absolute_path(path: str) -> str:
   """A local path made absolute (with ~ expanded); a URL such as gs://bucket/dir, or "", as it is."""
-  if not path or "://" in path:
+  if not path or storage.is_remote(path):
     return path
   return os.path.abspath(os.path.expanduser(path))
 
@@ -266,7 +266,7 @@ def _check_run_name(values: Mapping) -> None:
 def _check_local_paths(values: Mapping) -> None:
   """Paths read by libraries that take local files only (SentencePiece, safetensors, the HF folder layout)."""
   for key in ("tokenizer_path", "hf_model_path"):
-    if "://" in values[key]:
+    if storage.is_remote(values[key]):
       raise ConfigError(
         f"{key}={values[key]} must be a local path; copy it first (e.g. gsutil -m cp -r {values[key]} .) or use a "
         "gcsfuse mount"
