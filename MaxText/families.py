@@ -21,7 +21,9 @@ from MaxText.layers.gemma2 import Gemma2DecoderLayer
 from MaxText.layers.gpt3 import Gpt3DecoderLayer
 from MaxText.layers.llama import LlamaDecoderLayer
 from MaxText.layers.mistral import MistralDecoderLayer
+from MaxText.layers.mixtral import MixtralDecoderLayer
 from MaxText.layers.qwen3 import Qwen3DecoderLayer
+from MaxText.layers.qwen3_moe import Qwen3MoeDecoderLayer
 
 
 def no_checks(values: Mapping[str, Any]) -> None:
@@ -50,6 +52,7 @@ class Family:
   check: Callable[[Mapping[str, Any]], None] = rope_rotates_pairs
   # Keys this family adds to the Config, from the values pyconfig.derive has computed (emb_dim, mesh, ...).
   derive: Callable[[Mapping[str, Any]], dict] = no_derived_keys
+  moe: bool = False  # Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2.
 
 
 # ------------------------------------------------------------------------------------- Mistral
@@ -63,6 +66,35 @@ def _mistral_write(cfg: Config) -> dict:
 
 
 MISTRAL_HF = hf_families.llama_like("mistral", "MistralForCausalLM", read=_mistral_read, write=_mistral_write)
+
+
+# ------------------------------------------------------------------------------------- Mixtral
+def _mixtral_read(config_json: Mapping, keys: dict) -> dict:
+  if config_json.get("router_jitter_noise"):
+    raise hf_families.unsupported(f"router_jitter_noise={config_json['router_jitter_noise']} is not supported; set it to 0")
+  return _mistral_read(config_json, keys) | {
+    "num_experts": config_json["num_local_experts"],
+    "num_experts_per_tok": config_json["num_experts_per_tok"],
+    "base_moe_mlp_dim": config_json["intermediate_size"],
+  }
+
+
+def _mixtral_write(cfg: Config) -> dict:
+  if cfg.moe_mlp_dim != cfg.mlp_dim or cfg.shared_experts or cfg.routed_scaling_factor != 1.0:
+    raise ConfigError(
+      f"Mixtral's format has one intermediate_size and plain top-k weights: needs moe_mlp_dim == mlp_dim (now "
+      f"{cfg.moe_mlp_dim} and {cfg.mlp_dim}), shared_experts=0 and routed_scaling_factor=1"
+    )
+  return _mistral_write(cfg) | {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok}
+
+
+MIXTRAL_HF = hf_families.llama_like(
+  "mixtral",
+  "MixtralForCausalLM",
+  read=_mixtral_read,
+  write=_mixtral_write,
+  mlp=hf_families.experts_mlp("block_sparse_moe", "w1", "w3", "w2"),
+)
 
 # ------------------------------------------------------------------------------------- Gemma
 GEMMA_HF = hf_families.llama_like("gemma", "GemmaForCausalLM", gelu=True, tied_by_default=True)
@@ -85,6 +117,46 @@ QWEN3_NORMS = hf_families.LLAMA_NORMS + (
   ("self_attn.k_norm", "self_attention.key_norm"),
 )
 QWEN3_HF = hf_families.llama_like("qwen3", "Qwen3ForCausalLM", norms=QWEN3_NORMS, read=_qwen3_read, write=_qwen3_write)
+
+
+# ------------------------------------------------------------------------------------- Qwen3-MoE
+def _qwen3_moe_read(config_json: Mapping, keys: dict) -> dict:
+  if config_json.get("decoder_sparse_step", 1) != 1 or config_json.get("mlp_only_layers"):
+    raise hf_families.unsupported(
+      "decoder_sparse_step != 1 or mlp_only_layers is not supported for qwen3_moe: every layer must be sparse"
+    )
+  return _qwen3_read(config_json, keys) | {
+    # The released config.json files say num_experts; transformers 5 saves it as num_local_experts.
+    "num_experts": config_json.get("num_experts") or config_json["num_local_experts"],
+    "num_experts_per_tok": config_json["num_experts_per_tok"],
+    "base_moe_mlp_dim": config_json["moe_intermediate_size"],
+    "norm_topk_prob": bool(config_json.get("norm_topk_prob", False)),
+  }
+
+
+def _qwen3_moe_write(cfg: Config) -> dict:
+  if cfg.shared_experts or cfg.routed_scaling_factor != 1.0:
+    raise ConfigError(
+      "Qwen3-MoE's format has no shared experts or routed scaling; needs shared_experts=0, routed_scaling_factor=1"
+    )
+  return _qwen3_write(cfg) | {
+    "num_experts": cfg.num_experts,
+    "num_experts_per_tok": cfg.num_experts_per_tok,
+    "moe_intermediate_size": cfg.moe_mlp_dim,
+    "norm_topk_prob": cfg.norm_topk_prob,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+  }
+
+
+QWEN3_MOE_HF = hf_families.llama_like(
+  "qwen3_moe",
+  "Qwen3MoeForCausalLM",
+  norms=QWEN3_NORMS,
+  read=_qwen3_moe_read,
+  write=_qwen3_moe_write,
+  mlp=hf_families.experts_mlp("mlp", "gate_proj", "up_proj", "down_proj"),
+)
 
 
 # ------------------------------------------------------------------------------------- Gemma 2
@@ -207,9 +279,11 @@ FAMILIES: dict[str, Family] = {
     # Llama 2 and 3 (and 3.1 with rope_type=llama3.1).
     Family("llama2", LlamaDecoderLayer, hf_families.llama_like("llama", "LlamaForCausalLM")),
     Family("mistral", MistralDecoderLayer, MISTRAL_HF),
+    Family("mixtral", MixtralDecoderLayer, MIXTRAL_HF, moe=True),
     Family("gemma", GemmaDecoderLayer, GEMMA_HF),
     Family("gemma2", Gemma2DecoderLayer, GEMMA2_HF),
     Family("qwen3", Qwen3DecoderLayer, QWEN3_HF),
+    Family("qwen3_moe", Qwen3MoeDecoderLayer, QWEN3_MOE_HF, moe=True),
     Family("gpt3", Gpt3DecoderLayer, GPT2_HF, check=no_checks),  # No RoPE: learned positions (trainable_position_size).
   )
 }

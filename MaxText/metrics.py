@@ -95,14 +95,21 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
   """Analytic model FLOPs per device per step, MaxText's `calculate_tflops_training_per_device`.
 
   A matmul [m, k] x [k, n] costs 2mkn. Per token of a layer: q/k/v projections 2*E*(H + 2*KV)*D, output
-  projection 2*E*H*D, MLP 2*E*M*(number of input projections + 1); attention 4*L*H*D per token, halved for
-  the causal mask (as Megatron-LM and NeMo count it); the output projection 2*E*V once. Training is 3x the
-  forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not counted: these
-  are model FLOPs, so MFU is comparable across remat policies.
+  projection 2*E*H*D, MLP 2*E*M*(number of input projections + 1), or for a mixture of experts the router
+  2*E*num_experts plus the MLPs of the num_experts_per_tok chosen and the shared experts; attention 4*L*H*D
+  per token, halved for the causal mask (as Megatron-LM and NeMo count it); the output projection 2*E*V once.
+  Training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not
+  counted: these are model FLOPs, so MFU is comparable across remat policies.
   """
   tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
   e, h, kv, d, m = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
-  per_layer = 2 * e * (h + 2 * kv) * d + 2 * e * h * d + 2 * e * m * (len(config.mlp_activations) + 1)
+  mlp_matmuls = len(config.mlp_activations) + 1
+  mlp = 2 * e * m * mlp_matmuls
+  if config.num_experts > 1:
+    # Active parameters only: the router, the k chosen experts and the shared ones (MaxText counts the same).
+    active_experts = config.num_experts_per_tok + config.shared_experts
+    mlp = 2 * e * config.num_experts + 2 * e * config.moe_mlp_dim * mlp_matmuls * active_experts
+  per_layer = 2 * e * (h + 2 * kv) * d + 2 * e * h * d + mlp
   weights = 3 * tokens * (per_layer * config.num_decoder_layers + 2 * e * config.vocab_size)
   attention = 3 * tokens * config.num_decoder_layers * 4 * config.max_target_length * h * d / 2
   return TrainingFlops(weights=weights, attention=attention, total=weights + attention)
@@ -315,6 +322,7 @@ def format_step(step: int, scalars: dict[str, float]) -> str:
     f"MFU: {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}, "
     f"loss: {scalars['learning/loss']:.4f}, grad_norm: {scalars['learning/grad_norm']:.4f}, "
     f"lr: {scalars['learning/current_learning_rate']:.3e}"
+    + (f", moe_lb_loss: {scalars['learning/moe_lb_loss']:.4f}" if "learning/moe_lb_loss" in scalars else "")
   )
 
 

@@ -44,7 +44,7 @@ PARALLELISM_AXES = {
 }
 _NAME_OF_AXIS = {axis: name for name, axis in PARALLELISM_AXES.items()}  # mesh axis -> its *_parallelism keys' name
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
-UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism (no mixture-of-experts model)"}
+UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism"}
 
 # Keys holding a local path or a URL (gs://...). A local one is made absolute once, in `parse`, against the
 # directory the command was started from: Orbax refuses relative checkpoint paths, and later code may change
@@ -282,6 +282,7 @@ def _validate(values: Mapping) -> None:
   _check_training(values)
   _check_axis_rules(values)
   _check_attention(values)
+  _check_moe(values)
   families.get(values["decoder_block"]).check(values)
 
 
@@ -358,6 +359,28 @@ def _check_training(values: Mapping) -> None:
     raise ConfigError(f"init_weights_seed={seed} does not fit 32 bits; give a seed in [-2**31, 2**32)")
   if values["load_parameters_path"] and values["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
+
+
+def _check_moe(values: Mapping) -> None:
+  """A mixture-of-experts family needs experts to route to; a dense one has none."""
+  n, k, block = values["num_experts"], values["num_experts_per_tok"], values["decoder_block"]
+  moe = [name for name, family in families.FAMILIES.items() if family.moe]
+  if families.get(block).moe:
+    if n < 2:
+      raise ConfigError(f"num_experts={n}: decoder_block={block} is a mixture of experts; give num_experts >= 2")
+    if not 1 <= k <= n:
+      raise ConfigError(f"num_experts_per_tok={k} must be in [1, num_experts={n}]")
+    _check_positive(values, ("base_moe_mlp_dim",))
+  elif n != 1:
+    raise ConfigError(
+      f"num_experts={n}: decoder_block={block} has a dense MLP; set num_experts=1 or use a mixture-of-experts family "
+      f"({', '.join(moe)})"
+    )
+  if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
+    raise ConfigError(
+      f"routed_scaling_factor={values['routed_scaling_factor']} must be positive, shared_experts="
+      f"{values['shared_experts']} and load_balance_loss_weight={values['load_balance_loss_weight']} >= 0"
+    )
 
 
 def _check_attention(values: Mapping) -> None:
@@ -465,6 +488,7 @@ def _model_dims(values: Mapping) -> dict:
     "num_query_heads": values["base_num_query_heads"] * 2**head_scale,
     "num_kv_heads": values["base_num_kv_heads"] * 2**head_scale,
     "mlp_dim": values["base_mlp_dim"] * 2**mlp_scale,
+    "moe_mlp_dim": values["base_moe_mlp_dim"] * 2**mlp_scale,
     "num_decoder_layers": values["base_num_decoder_layers"] * 2**layer_scale,
   }
 
@@ -525,6 +549,8 @@ def _check_shards(values: Mapping, d: Mapping) -> None:
     ("mlp_dim", d["mlp_dim"], "mlp"),
     ("max_target_length", values["max_target_length"], "activation_length"),
   )
+  if values["num_experts"] > 1:
+    dims += (("moe_mlp_dim", d["moe_mlp_dim"], "mlp"), ("num_experts", values["num_experts"], "exp"))
   for key, size, logical in dims:
     shards, axes = _shards(values, d, logical)
     if size % shards:

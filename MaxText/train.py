@@ -36,13 +36,14 @@ from MaxText.layers import models  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- the math
 def loss_fn(model, params, batch, dropout_rng, deterministic=False):
-  """Summed token cross-entropy (float32) over non-padding targets, and the number of those targets.
+  """Summed float32 loss over non-padding targets, and aux: {"tokens": their number, "xent": the summed
+  cross-entropy, and for mixture-of-experts models "moe_lb_loss": the summed load-balancing loss}.
 
   batch: inputs, inputs_segmentation, inputs_position, targets, targets_segmentation [batch, length].
-  Returning the sum (not the mean) lets micro-batches add up to exactly the full batch's loss.
+  Returning sums (not means) lets micro-batches add up to exactly the full batch's loss.
   """
   config = model.config
-  outputs = model.apply(
+  outputs, sown = model.apply(
     {"params": params},
     batch["inputs"],
     batch["inputs_segmentation"],
@@ -50,12 +51,23 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
     deterministic=deterministic,
     rngs={"dropout": dropout_rng},
     return_hidden=config.num_vocab_tiling > 1,
+    mutable=["intermediates"],
   )
   mask_BL = batch["targets_segmentation"] != 0
+  tokens = jnp.sum(mask_BL)
   if config.num_vocab_tiling > 1:
-    return tiled_cross_entropy(config, params, outputs, batch["targets"], mask_BL), jnp.sum(mask_BL)
-  xent_BL = cross_entropy(outputs, batch["targets"])
-  return jnp.sum(jnp.where(mask_BL, xent_BL, 0.0)), jnp.sum(mask_BL)
+    xent = tiled_cross_entropy(config, params, outputs, batch["targets"], mask_BL)
+  else:
+    xent = jnp.sum(jnp.where(mask_BL, cross_entropy(outputs, batch["targets"]), 0.0))
+  aux = {"tokens": tokens, "xent": xent}
+  if config.num_experts > 1:
+    # The router's load-balancing loss is a mean over layers of a per-token mean (layers/moe.py), added to the
+    # mean cross-entropy as in MaxText; scaled by the tokens, it adds up over micro-batches as the sum does.
+    lb_losses = [v for path, v in jax.tree_util.tree_leaves_with_path(sown) if "moe_lb_loss" in jax.tree_util.keystr(path)]
+    aux["moe_lb_loss"] = config.load_balance_loss_weight * jnp.mean(jnp.concatenate([jnp.ravel(v) for v in lb_losses]))
+    aux["moe_lb_loss"] = aux["moe_lb_loss"] * tokens.astype(jnp.float32)
+    return xent + aux["moe_lb_loss"], aux
+  return xent, aux
 
 
 @jax.custom_vjp
@@ -125,22 +137,26 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   grad_fn = jax.value_and_grad(lambda p, b, r: loss_fn(model, p, b, r), has_aux=True)
   k = config.gradient_accumulation_steps
   if k == 1:
-    (loss_sum, num_tokens), grads = grad_fn(state.params, batch, dropout_rng)
+    (loss_sum, aux), grads = grad_fn(state.params, batch, dropout_rng)
   else:
     # Row r of the global batch goes to micro-batch r % k: each device keeps its own rows.
     micro = jax.tree_util.tree_map(lambda x: jnp.swapaxes(x.reshape(-1, k, *x.shape[1:]), 0, 1), batch)
 
     def accumulate(carry, i_and_batch):
       i, micro_batch = i_and_batch
-      (loss_i, tokens_i), grads_i = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, i))
-      loss_sum, num_tokens, grads = carry
+      (loss_i, aux_i), grads_i = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, i))
+      loss_sum, aux, grads = carry
       grads = jax.tree_util.tree_map(lambda g, gi: g + gi.astype(jnp.float32), grads, grads_i)
-      return (loss_sum + loss_i, num_tokens + tokens_i, grads), None
+      return (loss_sum + loss_i, jax.tree_util.tree_map(jnp.add, aux, aux_i), grads), None
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
-    (loss_sum, num_tokens, grads), _ = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    aux_shapes = jax.eval_shape(lambda p, b: loss_fn(model, p, b, dropout_rng)[1], state.params, first)
+    aux_zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
+    init = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
+    (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
 
+  num_tokens = aux["tokens"]
   denominator = jnp.maximum(num_tokens, 1).astype(jnp.float32)
   grads = jax.tree_util.tree_map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -152,12 +168,15 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
     "learning/current_learning_rate": schedule(state.step),
     "learning/total_weights": num_tokens,
   }
+  if "moe_lb_loss" in aux:
+    step_metrics["learning/moe_lb_loss"] = aux["moe_lb_loss"] / denominator
   return new_state, step_metrics
 
 
 def eval_step(model, params, batch):
   """(summed float32 cross-entropy, number of non-padding targets) of one eval batch, no dropout."""
-  return loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+  _, aux = loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+  return aux["xent"], aux["tokens"]
 
 
 def evaluate(config: Config, mesh, eval_fn, params) -> dict[str, float]:

@@ -78,6 +78,13 @@ def conv1d_in(hf: str, ours: str, in_shape: tuple[int, ...]) -> Group:
   )
 
 
+def stacked_linear(hf: Sequence[str], ours: str) -> Group:
+  """One torch Linear W_j [out, in] per expert j <-> our expert kernel [experts, in, out]."""
+  return Group(
+    tuple(hf), (ours,), lambda *ws: (np.stack([w.T for w in ws]),), lambda k: tuple(k[j].T for j in range(len(hf)))
+  )
+
+
 def fused_qkv(hf: str, ours: tuple[str, str, str], heads: int, head_dim: int) -> Group:
   """GPT-2's c_attn: [in, 3 * heads * head_dim] weight or [3 * heads * head_dim] bias <-> query, key, value."""
 
@@ -193,6 +200,32 @@ LLAMA_NORMS = (
 )
 
 
+def dense_mlp(cfg: Config, p: str) -> list[Group]:
+  """Llama's SwiGLU MLP under layer prefix p."""
+  return [
+    linear(p + "mlp.gate_proj.weight", "mlp.wi_0.kernel", (cfg.mlp_dim,)),
+    linear(p + "mlp.up_proj.weight", "mlp.wi_1.kernel", (cfg.mlp_dim,)),
+    linear_in(p + "mlp.down_proj.weight", "mlp.wo.kernel", (cfg.mlp_dim,)),
+  ]
+
+
+def experts_mlp(module: str, gate: str, up: str, down: str) -> Callable[[Config, str], list[Group]]:
+  """A mixture of experts (layers/moe.py) stored as `{module}.gate` (the router) and `{module}.experts.{j}.{gate,
+  up, down}` projections per expert, as Mixtral (block_sparse_moe, w1 w3 w2) and Qwen3-MoE (mlp, gate_proj
+  up_proj down_proj) do."""
+
+  def groups(cfg: Config, p: str) -> list[Group]:
+    experts = [f"{p}{module}.experts.{j}." for j in range(cfg.num_experts)]
+    return [
+      linear(f"{p}{module}.gate.weight", "mlp.gate.kernel", (cfg.num_experts,)),
+      stacked_linear([e + f"{gate}.weight" for e in experts], "mlp.wi_0"),
+      stacked_linear([e + f"{up}.weight" for e in experts], "mlp.wi_1"),
+      stacked_linear([e + f"{down}.weight" for e in experts], "mlp.wo"),
+    ]
+
+  return groups
+
+
 def llama_like(
   model_type: str,
   architecture: str,
@@ -202,12 +235,14 @@ def llama_like(
   norms: Sequence[tuple[str, str]] = LLAMA_NORMS,
   read: Callable[[Mapping, dict], dict] = lambda hf, keys: {},
   write: Callable[[Config], dict] = lambda cfg: {},
+  mlp: Callable[[Config, str], list[Group]] = dense_mlp,
 ) -> HFMapping:
   """The mapping of a family with Llama's tensor names and config.json keys.
 
   gelu: the MLP is GeGLU (hidden_act gelu_pytorch_tanh) rather than SwiGLU. tied_by_default: a config.json without
   tie_word_embeddings ties the output head (Gemma). norms: the per-layer norm scales, Llama's unless the family
-  has others. read(hf, keys) and write(cfg): the family's own config.json keys, beyond Llama's.
+  has others. read(hf, keys) and write(cfg): the family's own config.json keys, beyond Llama's. mlp(cfg, prefix):
+  the per-layer MLP tensors (Llama's dense one, or experts_mlp's).
   """
 
   def read_config(hf: Mapping) -> dict:
@@ -264,9 +299,7 @@ def llama_like(
       linear(p + "self_attn.k_proj.weight", "self_attention.key.kernel", (kv, hd)),
       linear(p + "self_attn.v_proj.weight", "self_attention.value.kernel", (kv, hd)),
       linear_in(p + "self_attn.o_proj.weight", "self_attention.out.kernel", (heads, hd)),
-      linear(p + "mlp.gate_proj.weight", "mlp.wi_0.kernel", (cfg.mlp_dim,)),
-      linear(p + "mlp.up_proj.weight", "mlp.wi_1.kernel", (cfg.mlp_dim,)),
-      linear_in(p + "mlp.down_proj.weight", "mlp.wo.kernel", (cfg.mlp_dim,)),
+      *mlp(cfg, p),
       *other_norms,
     ]
     return model, layer

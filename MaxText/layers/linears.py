@@ -104,12 +104,13 @@ class MlpBlock(nn.Module):
   config: Config
   mesh: jax.sharding.Mesh | None = None
   use_bias: bool = False
+  mlp_dim: int | None = None  # The hidden width; None is the config's mlp_dim (MoE shared experts set their own).
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     wi = [
-      DenseGeneral((cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, name=f"wi_{i}")
+      DenseGeneral((self.mlp_dim or cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, name=f"wi_{i}")
       for i in range(len(cfg.mlp_activations))
     ]
     fused = cfg.fused_mlp and len(wi) > 1

@@ -124,7 +124,7 @@ class Transformer(nn.Module):
     if cfg.scan_layers:
       scanned = nn.scan(
         block,
-        variable_axes={"params": 0},
+        variable_axes={"params": 0, "intermediates": 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, 0),
         length=cfg.num_decoder_layers,

@@ -53,6 +53,18 @@ def hf_model(family: str):
       final_logit_softcapping=3.0,
     )
     return t.Gemma2ForCausalLM(cfg)
+  if family == "mixtral":  # 4 experts, top-2 (renormalised), sliding window 5
+    cfg = t.MixtralConfig(
+      **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+      sliding_window=5,
+    )  # fmt: skip
+    return t.MixtralForCausalLM(cfg)
+  if family == "qwen3_moe":  # QK-norm, 6 experts of 40, top-3 not renormalised (norm_topk_prob=false)
+    cfg = t.Qwen3MoeConfig(
+      **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=10, num_experts=6, num_experts_per_tok=3,
+      moe_intermediate_size=40, norm_topk_prob=False,
+    )  # fmt: skip
+    return t.Qwen3MoeForCausalLM(cfg)
   if family == "gpt2":  # 3 heads, learned positions, biases
     return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=96, n_embd=36, n_layer=3, n_head=3, n_positions=64))
   raise ValueError(family)
@@ -129,12 +141,12 @@ def assert_close(ours, theirs, valid):
   assert err <= 1e-4, f"relative logit difference {err:.2e}"
 
 
-FAMILIES = ["llama", "mistral", "qwen3", "gemma", "gemma2", "gpt2"]
+FAMILIES = ["llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma", "gemma2", "gpt2"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_matches_transformers_and_export_round_trips(family, tmp_path):
-  scan = "false" if family in ("qwen3", "gpt2") else "true"  # both layouts are covered
+  scan = "false" if family in ("qwen3", "qwen3_moe", "gpt2") else "true"  # both layouts are covered
   hf_dir = str(tmp_path / "hf")
   model = save_random(family, hf_dir, max_shard_size="40KB" if family == "llama" else None)  # llama: sharded
   ckpt = import_hf(hf_dir, str(tmp_path / "out"), scan)

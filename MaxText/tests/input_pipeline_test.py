@@ -74,7 +74,8 @@ def test_padding_is_masked_out_of_the_loss():
   assert (batch["targets_segmentation"] == 0).any(), "the test needs a padded row"
   model = models.Transformer(cfg)
   params = model.init({"params": jax.random.key(0)}, *models.init_inputs(1, 8))["params"]
-  loss, tokens = train.loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+  loss, aux = train.loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+  tokens = aux["tokens"]
   garbage = dict(batch, targets=np.where(batch["targets_segmentation"] == 0, 255, batch["targets"]))
   loss_garbage, _ = train.loss_fn(model, params, garbage, jax.random.key(0), deterministic=True)
   assert int(tokens) == int((batch["targets_segmentation"] != 0).sum())

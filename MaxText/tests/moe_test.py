@@ -1,0 +1,240 @@
+"""The mixture-of-experts block (layers/moe.py): every way of running the experts against a reference that runs
+every expert on every token, exact capacity drops, the load-balancing loss, and MoE models in training."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from MaxText import metrics, train
+from MaxText.common_types import ConfigError
+from MaxText.layers import models, moe
+from MaxText.tests.helpers import config
+
+# A tiny Mixtral: 4 experts, top-2, experts 48 wide; float32 with exact matmuls (helpers.TINY).
+MOE = (
+  "decoder_block=mixtral",
+  "override_model_config=true",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "base_moe_mlp_dim=48",
+)
+
+
+def _block(cfg, renormalize=True, batch=2, seed=0):
+  """(MoeBlock, its params, an input [batch, max_target_length, emb]) with random weights."""
+  block = moe.MoeBlock(cfg, renormalize=renormalize)
+  x = jax.random.normal(jax.random.key(seed + 1), (batch, cfg.max_target_length, cfg.emb_dim), jnp.float32)
+  params = nn.meta.unbox(block.init(jax.random.key(seed), x))["params"]
+  # A router with a spread of scores (its init scale makes near-ties between experts too likely to test top-k).
+  params["gate"]["kernel"] = 3.0 * jax.random.normal(jax.random.key(seed + 2), params["gate"]["kernel"].shape)
+  return block, params, x
+
+
+def _reference(cfg, params, x, renormalize, keep=None):
+  """Every expert on every token, weighted by the router (zero for the experts not chosen): plain jnp, top-k by
+  argsort. keep [batch, length, k] (bool) drops assignments as a capacity would."""
+  b, s, _ = x.shape
+  probs = jax.nn.softmax(jnp.einsum("bse,en->bsn", x, params["gate"]["kernel"]), axis=-1)
+  chosen = jnp.argsort(-probs, axis=-1)[..., : cfg.num_experts_per_tok]  # [b, s, k]
+  top = jnp.take_along_axis(probs, chosen, axis=-1)
+  if renormalize:
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+  if keep is not None:
+    top = top * keep
+  weights = jnp.zeros_like(probs).at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], chosen].set(top)
+  out = 0.0
+  for e in range(cfg.num_experts):
+    h = jax.nn.silu(x @ params["wi_0"][e]) * (x @ params["wi_1"][e])
+    out = out + weights[..., e : e + 1] * (h @ params["wo"][e])
+  return out * cfg.routed_scaling_factor, np.asarray(chosen)
+
+
+def _assert_close_with_grads(cfg, block, params, x, reference):
+  got, got_grads = jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(block.apply({"params": p}, x))), (0, 1))(params, x)
+  want, want_grads = jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(reference(p, x))), (0, 1))(params, x)
+  np.testing.assert_allclose(block.apply({"params": params}, x), reference(params, x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for (path, g), w in zip(
+    jax.tree_util.tree_leaves_with_path(got_grads), jax.tree_util.tree_leaves(want_grads), strict=True
+  ):
+    want_grad = np.asarray(w)
+    scale = np.abs(want_grad).max()
+    np.testing.assert_allclose(g, want_grad, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(
+  "path",
+  [("sparse_matmul=true",), ("sparse_matmul=false",), ("capacity_factor=100.0",), ("norm_topk_prob=false",)],
+  ids=["dropless", "dense", "huge_capacity", "not_renormalised"],
+)
+def test_experts_equal_the_every_expert_reference_forward_and_gradients(path):
+  """Dropless (ragged_dot over sorted tokens), dense, and capacity too large to drop anything: the same outputs and
+  gradients (of the input and every weight) as running every expert on every token weighted by the router.
+  Float32; outputs to 1e-5, gradients to 1e-4 relative (sums of a few hundred products in another order)."""
+  cfg = config(*MOE, *path, "routed_scaling_factor=1.5")
+  renormalize = "norm_topk_prob=false" not in path
+  block, params, x = _block(cfg, renormalize)
+  _assert_close_with_grads(cfg, block, params, x, lambda p, x: _reference(cfg, p, x, renormalize)[0])
+
+
+def test_a_small_capacity_drops_exactly_the_assignments_beyond_it():
+  """capacity_factor=0.75: each expert keeps the first C assignments of a sequence in (position, choice) order;
+  the output is the reference's with exactly the others dropped, and their number is sown as moe_dropped."""
+  cfg = config(*MOE, "capacity_factor=0.75")
+  block, params, x = _block(cfg, seed=3)
+  capacity = moe.expert_capacity(cfg, cfg.max_target_length)
+  assert capacity == 24  # 2 choices * 64 tokens / 4 experts * 0.75
+  _, chosen = _reference(cfg, params, x, True)
+  keep = np.zeros(chosen.shape, bool)
+  for b in range(chosen.shape[0]):
+    taken = np.zeros(cfg.num_experts, int)
+    for s in range(chosen.shape[1]):
+      for j in range(chosen.shape[2]):
+        keep[b, s, j] = taken[chosen[b, s, j]] < capacity
+        taken[chosen[b, s, j]] += 1
+  assert 0 < (~keep).sum() < keep.size // 2, "the test needs some, not most, assignments dropped"
+  out, sown = block.apply({"params": params}, x, mutable=["intermediates"])
+  want, _ = _reference(cfg, params, x, True, keep=jnp.asarray(keep))
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+  assert int(sown["intermediates"]["moe_dropped"][0]) == int((~keep).sum())
+
+
+def test_load_balance_loss_of_a_uniform_router_is_k_and_matches_transformers():
+  """A router whose scores are all equal gives exactly k (N * sum_i f_i / N, and the f_i sum to k); a random
+  one gives what transformers' Mixtral computes (one sequence: both average over its tokens)."""
+  torch = pytest.importorskip("torch")
+  from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+  cfg = config(*MOE)
+  block, params, x = _block(cfg, batch=1)
+  uniform = jax.tree_util.tree_map(lambda a: a, params)
+  uniform["gate"]["kernel"] = jnp.zeros_like(params["gate"]["kernel"])
+  _, sown = block.apply({"params": uniform}, x, mutable=["intermediates"])
+  np.testing.assert_allclose(sown["intermediates"]["moe_lb_loss"][0], cfg.num_experts_per_tok, rtol=1e-6)
+
+  _, sown = block.apply({"params": params}, x, mutable=["intermediates"])
+  logits = np.asarray(x[0] @ params["gate"]["kernel"], np.float64)
+  want = load_balancing_loss_func((torch.tensor(logits),), cfg.num_experts, cfg.num_experts_per_tok)
+  np.testing.assert_allclose(sown["intermediates"]["moe_lb_loss"][0], float(want), rtol=1e-5)
+
+
+def _model_loss_and_grads(cfg, params, batch):
+  model = models.Transformer(cfg)
+  fn = jax.jit(
+    jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True), has_aux=True)
+  )
+  return fn(params)
+
+
+def _batch(cfg, rows=2, seed=1):
+  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (rows, cfg.max_target_length + 1)).astype(np.int32)
+  ones = np.ones((rows, cfg.max_target_length), np.int32)
+  positions = np.broadcast_to(np.arange(cfg.max_target_length, dtype=np.int32), ones.shape)
+  return {"inputs": tokens[:, :-1], "inputs_segmentation": ones, "inputs_position": positions, "targets": tokens[:, 1:],
+          "targets_segmentation": ones}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_loss_adds_the_weighted_load_balance_loss_averaged_over_layers(family):
+  """loss = cross-entropy + load_balance_loss_weight * mean over layers of each layer's sown loss (per token);
+  scanned and unrolled layers give the same loss and gradients."""
+  cfg = config(*MOE, f"decoder_block={family}", "load_balance_loss_weight=0.5", "max_target_length=32")
+  model = models.Transformer(cfg)
+  params = nn.meta.unbox(model.init({"params": jax.random.key(0)}, *models.init_inputs(2, 32)))["params"]
+  batch = _batch(cfg)
+  (loss, aux), grads = _model_loss_and_grads(cfg, params, batch)
+  _, sown = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
+                        mutable=["intermediates"])  # fmt: skip
+  per_layer = np.asarray(sown["intermediates"]["layers"]["mlp"]["moe_lb_loss"][0])
+  assert per_layer.shape == (cfg.num_decoder_layers,)
+  tokens = int(aux["tokens"])
+  np.testing.assert_allclose(loss / tokens, aux["xent"] / tokens + 0.5 * per_layer.mean(), rtol=1e-6)
+
+  unrolled_cfg = config(*MOE, f"decoder_block={family}", "load_balance_loss_weight=0.5", "max_target_length=32",
+                        "scan_layers=false")  # fmt: skip
+  unrolled = dict(params)
+  stacked = unrolled.pop("layers")
+  for i in range(cfg.num_decoder_layers):
+    unrolled[f"layers_{i}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
+  (loss_u, _), grads_u = _model_loss_and_grads(unrolled_cfg, unrolled, batch)
+  np.testing.assert_allclose(loss_u, loss, rtol=1e-6)
+  for i in range(cfg.num_decoder_layers):
+    for (path, g), gu in zip(
+      jax.tree_util.tree_leaves_with_path(grads["layers"]), jax.tree_util.tree_leaves(grads_u[f"layers_{i}"]), strict=True
+    ):
+      np.testing.assert_allclose(g[i], gu, rtol=1e-4, atol=1e-6 * np.abs(gu).max(), err_msg=jax.tree_util.keystr(path))
+
+
+def test_sharded_training_equals_one_device():
+  """fsdp=2 x tensor=2 over 4 devices trains to the same losses (including the load-balancing loss) as one device,
+  with gradient accumulation."""
+  common = (*MOE, "steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "max_target_length=32")
+  one = config(*common, "per_device_batch_size=4", "gradient_accumulation_steps=2")
+  four = config(*common, "per_device_batch_size=1", "gradient_accumulation_steps=2", "ici_fsdp_parallelism=2",
+                "ici_tensor_parallelism=2", num_devices=4)  # fmt: skip
+  assert one.global_batch_size == four.global_batch_size == 8
+  want = [loss for _, loss in train.train(one, jax.devices()[:1]).losses]
+  got = [loss for _, loss in train.train(four, jax.devices()[:4]).losses]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_flops_count_the_active_experts_only():
+  """Doubling the experts adds only the router's FLOPs; doubling the experts per token adds their MLPs'."""
+  base = metrics.training_flops_per_device(config(*MOE))
+  cfg = config(*MOE)
+  tokens = cfg.per_device_batch_size * cfg.max_target_length * cfg.num_decoder_layers
+  more_experts = metrics.training_flops_per_device(config(*MOE, "num_experts=8"))
+  assert more_experts.total - base.total == pytest.approx(3 * tokens * 2 * cfg.emb_dim * 4)
+  more_active = metrics.training_flops_per_device(config(*MOE, "num_experts_per_tok=3"))
+  assert more_active.total - base.total == pytest.approx(3 * tokens * 2 * cfg.emb_dim * cfg.moe_mlp_dim * 3)
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (("num_experts=1",), "decoder_block=mixtral is a mixture of experts"),
+    (("num_experts_per_tok=5",), "num_experts_per_tok=5 must be in [1, num_experts=4]"),
+    (("decoder_block=llama2",), "num_experts=4: decoder_block=llama2 has a dense MLP"),
+    (("ici_expert_parallelism=2", "ici_fsdp_parallelism=1"), "expert parallelism is not supported yet"),
+  ],
+)
+def test_moe_mistakes_are_config_errors(args, message):
+  with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    config(*MOE, *args, num_devices=2)
+
+
+# Published sizes (billions of parameters, as rounded by their authors): total and active per token.
+PUBLISHED = {
+  "mixtral-8x7b": ("46.7", "12.9"),  # arXiv:2401.04088
+  "mixtral-8x22b": ("141", "39"),  # mistral.ai/news/mixtral-8x22b
+  "qwen3-30b-a3b": ("30.5", "3.3"),  # arXiv:2505.09388, table 2
+  "qwen3-235b-a22b": ("235", "22"),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_preset_parameter_counts_equal_the_published_ones_and_transformers(preset):
+  """Our parameters (abstract init) are within one unit of the published figures' last digit (authors round or
+  truncate: Qwen3-30B-A3B's 3.35B active are "3.3B"), and equal exactly those of the transformers model built
+  (on the meta device) from the config.json our exporter would write. Active: the total less the
+  num_experts - num_experts_per_tok experts each token skips, per layer."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from MaxText import families
+  from MaxText.convert import hf_families
+
+  cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
+  shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
+  total = metrics.count_params(nn.meta.unbox(shapes)["params"])
+  skipped = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.emb_dim * cfg.moe_mlp_dim * cfg.num_decoder_layers
+  for count, published in zip((total, total - skipped), PUBLISHED[preset], strict=True):
+    unit = 10.0 ** -len(published.partition(".")[2])
+    assert abs(count / 1e9 - float(published)) < unit, (preset, count, published)
+
+  hf_json = hf_families.hf_config(families.hf_mapping(cfg), cfg, "bfloat16")
+  hf_cfg = transformers.CONFIG_MAPPING[hf_json["model_type"]](**hf_json)
+  with torch.device("meta"):
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+  assert sum(p.numel() for p in hf.parameters()) == total
