@@ -44,7 +44,7 @@ PARALLELISM_AXES = {
 }
 _NAME_OF_AXIS = {axis: name for name, axis in PARALLELISM_AXES.items()}  # mesh axis -> its *_parallelism keys' name
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
-UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism", "expert": "expert parallelism"}
+UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism"}
 
 # Keys holding a local path or a URL (gs://...). A local one is made absolute once, in `parse`, against the
 # directory the command was started from: Orbax refuses relative checkpoint paths, and later code may change

@@ -4,8 +4,10 @@ outputs, weighted by the router.
 
 The experts run one of three ways, which compute the same function (tests):
   - dropless (capacity_factor <= 0 and sparse_matmul, the default): the (token, choice) assignments are sorted by
-    expert, each projection is one grouped matmul over the sorted rows (jax.lax.ragged_dot), and the outputs are
-    put back in token order. FLOPs are those of the chosen experts only.
+    expert, each projection is one grouped matmul over the sorted rows (layers/grouped_matmul.py), and the outputs
+    are put back in token order. FLOPs are those of the chosen experts only. Each device sorts its own tokens
+    (shard_map); with expert parallelism (the `expert` mesh axis) the rows travel to the devices holding their
+    experts and back by all-to-all.
   - capacity (capacity_factor > 0): each expert takes at most C = ceil(k * length / num_experts * capacity_factor)
     assignments of a sequence, in order of position and then of choice (GShard, Lepikhin et al. 2020); the rest
     are dropped (they add nothing to the token's output) and counted. Dispatch and combine are one-hot einsums.
@@ -27,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
+from MaxText.layers.grouped_matmul import grouped_matmul
 from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, dtypes
 
 
@@ -133,14 +136,34 @@ class MoeBlock(nn.Module):
       hidden = self.gated(x_TE, wi, lambda x, w: jnp.einsum("TE,NEM->NTM", x, w))
       y_NTE = jnp.einsum("NTM,NME->NTE", hidden, wo)
       return jnp.einsum("NTE,TN->TE", y_NTE, gates_TN.astype(dtype)).reshape(b, s, e)
-    # Dropless: assignment a = t * k + j (token t's j-th choice); sorted by expert, stable so tokens keep order.
-    order_A = jnp.argsort(experts_TK.reshape(-1), stable=True)
-    group_sizes_N = jnp.bincount(experts_TK.reshape(-1), length=n).astype(jnp.int32)
-    x_AE = jnp.take(x_TE, order_A // k, axis=0)
-    hidden = self.gated(x_AE, wi, lambda x, w: jax.lax.ragged_dot(x, w, group_sizes_N))
-    y_AE = jax.lax.ragged_dot(hidden, wo, group_sizes_N)
-    y_TKE = jnp.take(y_AE, jnp.argsort(order_A), axis=0).reshape(b * s, k, e)
-    return jnp.einsum("TKE,TK->TE", y_TKE, weights_TK.astype(dtype)).reshape(b, s, e)
+    return self.dropless(x_BSE, weights_TK.reshape(b, s, k), experts_TK.reshape(b, s, k), wi, wo)
+
+  def dropless(self, x_BSE, weights_BSK, experts_BSK, wi, wo) -> jax.Array:
+    """The dropless path on each device's tokens (under shard_map when there is a mesh): its (token, choice)
+    assignments sorted by expert, grouped matmuls, back to token order. With expert parallelism, each device holds
+    num_experts / ep experts, and the sorted rows go to the devices holding their experts and come back by
+    all-to-all over the expert axis; with tensor parallelism, the partial sums over the moe_mlp shards are added."""
+    cfg, mesh = self.config, self.mesh
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    if mesh is None:
+      return _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, self.gated, cfg.num_experts, platform, (), 1, ())
+    token_spec = sharding.logical_to_mesh_spec((ct.BATCH, ct.LENGTH, None), cfg)
+    wi_spec = sharding.logical_to_mesh_spec((ct.EXP, None, ct.MLP), cfg)
+    wo_spec = sharding.logical_to_mesh_spec((ct.EXP, ct.MLP, None), cfg)
+    exp_axes, mlp_axes = _axes(wi_spec[0]), _axes(wi_spec[2])
+    ep = math.prod(mesh.shape[a] for a in exp_axes)
+
+    def per_device(x, weights, experts, wi, wo):
+      return _dropless_local(x, weights, experts, wi, wo, self.gated, cfg.num_experts, platform, exp_axes, ep, mlp_axes)
+
+    sharded = jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(token_spec, token_spec, token_spec, [wi_spec] * len(wi), wo_spec),
+      out_specs=token_spec,
+      check_vma=False,
+    )
+    return sharded(x_BSE, weights_BSK, experts_BSK, wi, wo)
 
   def gated(self, x, wi, project):
     """prod_i act_i(project(x, wi_i)): the experts' gated hidden layer (SwiGLU for [silu, linear])."""
@@ -149,3 +172,62 @@ class MoeBlock(nn.Module):
       h = ACTIVATIONS[act](checkpoint_name(project(x, w), "mlpwi"))
       hidden = h if hidden is None else hidden * h
     return hidden
+
+
+def _axes(spec_entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+  if spec_entry is None:
+    return ()
+  return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
+
+
+def _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, gated, num_experts, platform, exp_axes, ep, mlp_axes):
+  """One device's dropless MoE (see MoeBlock.dropless): its tokens x [b, s, embed] with their router weights and
+  experts [b, s, k]; wi and wo hold the experts of this device's shard of the `ep` shards over `exp_axes` (all of
+  them when ep is 1), and its shard of moe_mlp over `mlp_axes`."""
+  b, s, e = x_BSE.shape
+  k = experts_BSK.shape[-1]
+  experts_A = experts_BSK.reshape(-1)  # assignment a = t * k + j: token t's j-th choice
+  order_A = jnp.argsort(experts_A, stable=True)  # by expert; tokens keep their order within one
+  sizes_N = jnp.bincount(experts_A, length=num_experts).astype(jnp.int32)
+  x_AE = jnp.take(x_BSE.reshape(b * s, e), order_A // k, axis=0)
+
+  def experts_ffn(rows, group_sizes):
+    hidden = gated(rows, wi, lambda x, w: grouped_matmul(x, w, group_sizes, platform))
+    return grouped_matmul(hidden, wo, group_sizes, platform)
+
+  if ep == 1:
+    y_AE = experts_ffn(x_AE, sizes_N)
+  else:
+    y_AE = _exchange_and_run(x_AE, jnp.take(experts_A, order_A), sizes_N, ep, exp_axes, experts_ffn)
+  y_TKE = jnp.take(y_AE, jnp.argsort(order_A), axis=0).reshape(b * s, k, e)
+  y_TE = jnp.einsum("TKE,TK->TE", y_TKE, weights_BSK.reshape(b * s, k).astype(y_TKE.dtype))
+  if mlp_axes:  # each device holds a shard of moe_mlp: its wo gives a partial sum
+    y_TE = jax.lax.psum(y_TE, mlp_axes)
+  return y_TE.reshape(b, s, e)
+
+
+def _exchange_and_run(x_AE, experts_A, sizes_N, ep, exp_axes, experts_ffn):
+  """Expert parallelism: this device's rows x [A, embed], sorted by expert (experts_A), go to the device holding
+  their expert by all-to-all over exp_axes; each device runs its num_experts / ep experts on what it received
+  and the outputs come back the same way. Buffers are padded to A rows per device pair (all of a device's rows
+  may go to one expert shard), so shapes are static."""
+  rows, e = x_AE.shape
+  local = sizes_N.shape[0] // ep
+  sizes_DL = sizes_N.reshape(ep, local)  # rows for destination shard d's local expert l
+  per_dest_D = jnp.sum(sizes_DL, axis=1)
+  start_D = jnp.cumsum(per_dest_D) - per_dest_D
+  slot = jnp.arange(rows)
+  send_idx = jnp.minimum(start_D[:, None] + slot[None], rows - 1)
+  send = jnp.where((slot[None] < per_dest_D[:, None])[..., None], jnp.take(x_AE, send_idx, axis=0), 0)  # [ep, A, E]
+  recv = jax.lax.all_to_all(send, exp_axes, 0, 0)  # recv[src]: src's rows for this shard's experts, by expert
+  recv_sizes_SL = jax.lax.all_to_all(sizes_DL, exp_axes, 0, 0)  # [src, local expert]
+  # Regroup the received rows by local expert (sources in order within each); padding rows go last.
+  ends_SL = jnp.cumsum(recv_sizes_SL, axis=1)
+  expert_of = jax.vmap(lambda ends: jnp.searchsorted(ends, slot, side="right"))(ends_SL)  # [src, A]; local = padding
+  order = jnp.argsort(expert_of.reshape(-1), stable=True)
+  y_sorted = experts_ffn(jnp.take(recv.reshape(ep * rows, e), order, axis=0), jnp.sum(recv_sizes_SL, axis=0))
+  y_recv = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(ep, rows, e)
+  back = jax.lax.all_to_all(y_recv, exp_axes, 0, 0)  # back[d]: outputs of the rows this device sent to shard d
+  dest_A = experts_A // local
+  return back[dest_A, slot - start_D[dest_A]]

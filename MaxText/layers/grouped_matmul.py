@@ -1,0 +1,93 @@
+"""Grouped matrix multiplication for dropless mixture of experts: rows sorted by group (expert), each group of
+rows times its own matrix.
+
+  grouped_matmul(x [rows, k], w [groups, k, n], group_sizes [groups]) -> [rows, n]
+
+Rows sum(group_sizes[:g]) ... sum(group_sizes[:g + 1]) - 1 are multiplied by w[g]; rows past sum(group_sizes) give
+zeros. Two implementations, equal to float32 rounding (tests):
+  - `jax.lax.ragged_dot` (GPU and TPU), XLA's grouped matmul;
+  - `tiled_grouped_matmul` (CPU): XLA's CPU backend lowers ragged_dot to a dense matmul of every row with every
+    group's matrix under a mask, num_groups times the FLOPs. Here each group's rows are cut into tiles of
+    `tile` rows, every tile is multiplied by its group's matrix in one batched matmul, and the backward pass does
+    the same for dx (with the transposed matrices) and dw (tiles' x^T dy, summed per group): the FLOPs of the rows
+    actually present, plus at most one partial tile per group.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+TILE = 256  # Rows per tile of the CPU implementation (measured in docs/PERFORMANCE.md, "Mixture of experts").
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """The tiles covering rows sorted by group: tile t holds rows first[t] ... first[t] + valid[t] - 1 of group
+  group[t]. Their number is static (rows // tile + groups, an upper bound); unused tiles have valid 0."""
+
+  group: jax.Array  # [tiles] int32
+  first: jax.Array  # [tiles] int32
+  valid: jax.Array  # [tiles] int32
+
+  @staticmethod
+  def of(group_sizes: jax.Array, rows: int, tile: int) -> "Tiles":
+    groups = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    per_group = (group_sizes + tile - 1) // tile
+    tile_ends = jnp.cumsum(per_group)
+    t = jnp.arange(rows // tile + groups)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), groups - 1)
+    first = ends[group] - group_sizes[group] + (t - (tile_ends[group] - per_group[group])) * tile
+    valid = jnp.where(t < tile_ends[-1], jnp.clip(ends[group] - first, 0, tile), 0)
+    return Tiles(group.astype(jnp.int32), first.astype(jnp.int32), valid.astype(jnp.int32))
+
+  def gather(self, x: jax.Array, tile: int) -> jax.Array:
+    """x [rows, d] -> [tiles, tile, d], zero past each tile's valid rows."""
+    rows = self.first[:, None] + jnp.arange(tile)[None]
+    taken = jnp.take(x, jnp.minimum(rows, x.shape[0] - 1), axis=0)
+    return jnp.where((jnp.arange(tile)[None] < self.valid[:, None])[..., None], taken, 0)
+
+  def scatter(self, y: jax.Array, rows: int) -> jax.Array:
+    """[tiles, tile, d] -> [rows, d]: each valid tile row to its row; rows no tile covers are zero."""
+    tile = y.shape[1]
+    index = jnp.where(jnp.arange(tile)[None] < self.valid[:, None], self.first[:, None] + jnp.arange(tile)[None], rows)
+    out = jnp.zeros((rows + 1, y.shape[-1]), y.dtype).at[index.reshape(-1)].set(y.reshape(-1, y.shape[-1]))
+    return out[:rows]
+
+
+def _matmul(a: jax.Array, b: jax.Array, spec: str, dtype) -> jax.Array:
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = TILE) -> jax.Array:
+  """grouped_matmul by tiles of `tile` rows (see the module docstring); float32 accumulation."""
+  return _tiled_fwd(x, w, group_sizes, tile)[0]
+
+
+def _tiled_fwd(x, w, group_sizes, tile):
+  tiles = Tiles.of(group_sizes, x.shape[0], tile)
+  y = _matmul(tiles.gather(x, tile), jnp.take(w, tiles.group, axis=0), "tik,tkn->tin", x.dtype)
+  return tiles.scatter(y, x.shape[0]), (x, w, group_sizes)
+
+
+def _tiled_bwd(tile, residuals, dy):
+  x, w, group_sizes = residuals
+  tiles = Tiles.of(group_sizes, x.shape[0], tile)
+  dy_tiles = tiles.gather(dy, tile)
+  dx = tiles.scatter(_matmul(dy_tiles, jnp.take(w, tiles.group, axis=0), "tin,tkn->tik", x.dtype), x.shape[0])
+  dw_tiles = jnp.einsum("tik,tin->tkn", tiles.gather(x, tile), dy_tiles, preferred_element_type=jnp.float32)
+  dw = jnp.zeros(w.shape, jnp.float32).at[tiles.group].add(dw_tiles)  # unused tiles add zeros
+  return dx, dw.astype(w.dtype), None
+
+
+tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str) -> jax.Array:
+  """x [rows, k] x w [groups, k, n] by groups of rows (see the module docstring), for devices of `platform`."""
+  if platform == "cpu":
+    return tiled_grouped_matmul(x, w, group_sizes)
+  return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
