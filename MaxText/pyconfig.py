@@ -370,7 +370,8 @@ def _check_moe(values: Mapping) -> None:
       raise ConfigError(f"num_experts={n}: decoder_block={block} is a mixture of experts; give num_experts >= 2")
     if not 1 <= k <= n:
       raise ConfigError(f"num_experts_per_tok={k} must be in [1, num_experts={n}]")
-    _check_positive(values, ("base_moe_mlp_dim",))
+    if values["base_moe_mlp_dim"] == 0 or values["base_moe_mlp_dim"] < -1:
+      raise ConfigError(f"base_moe_mlp_dim={values['base_moe_mlp_dim']} must be positive, or -1 to take base_mlp_dim")
   elif n != 1:
     raise ConfigError(
       f"num_experts={n}: decoder_block={block} has a dense MLP; set num_experts=1 or use a mixture-of-experts family "
@@ -488,7 +489,7 @@ def _model_dims(values: Mapping) -> dict:
     "num_query_heads": values["base_num_query_heads"] * 2**head_scale,
     "num_kv_heads": values["base_num_kv_heads"] * 2**head_scale,
     "mlp_dim": values["base_mlp_dim"] * 2**mlp_scale,
-    "moe_mlp_dim": values["base_moe_mlp_dim"] * 2**mlp_scale,
+    "moe_mlp_dim": (values["base_moe_mlp_dim"] if values["base_moe_mlp_dim"] > 0 else values["base_mlp_dim"]) * 2**mlp_scale,
     "num_decoder_layers": values["base_num_decoder_layers"] * 2**layer_scale,
   }
 

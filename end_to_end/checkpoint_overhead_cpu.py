@@ -16,7 +16,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "end_to_end"))
-from benchmark_cpu import CONFIG  # noqa: E402
+from side_by_side import CORE_CONFIG as CONFIG  # noqa: E402
 
 DONE = re.compile(r"median step time ([\d.]+) s")
 GOODPUT = re.compile(r"Goodput: ([\d.]+)% of ([\d.]+) s .* checkpoints ([\d.]+) s \(blocking")

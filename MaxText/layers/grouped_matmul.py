@@ -4,8 +4,10 @@ rows times its own matrix.
   grouped_matmul(x [rows, k], w [groups, k, n], group_sizes [groups]) -> [rows, n]
 
 Rows sum(group_sizes[:g]) ... sum(group_sizes[:g + 1]) - 1 are multiplied by w[g]; rows past sum(group_sizes) give
-zeros. Two implementations, equal to float32 rounding (tests):
-  - `jax.lax.ragged_dot` (GPU and TPU), XLA's grouped matmul;
+zeros. Three implementations, equal to float32 rounding (tests):
+  - `megablox_grouped_matmul` (TPU with megablox=true): the Pallas megablox kernels (Gale et al. 2022,
+    arXiv:2211.15841) of jax.experimental, tested here in interpret mode;
+  - `jax.lax.ragged_dot` (GPU, and TPU with megablox=false), XLA's grouped matmul;
   - `tiled_grouped_matmul` (CPU): XLA's CPU backend lowers ragged_dot to a dense matmul of every row with every
     group's matrix under a mask, num_groups times the FLOPs. Here each group's rows are cut into tiles of
     `tile` rows, every tile is multiplied by its group's matrix in one batched matmul, and the backward pass does
@@ -86,8 +88,23 @@ def _tiled_bwd(tile, residuals, dy):
 tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str) -> jax.Array:
+def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool = False) -> jax.Array:
+  """grouped_matmul by Pallas megablox (its own backward kernels). The kernels leave the rows past
+  sum(group_sizes) undefined (NaN in interpret mode), forward and backward, so those rows are zeroed on the way
+  in and out (where the gradient of a select does not carry what it drops)."""
+  from jax.experimental.pallas.ops.tpu import megablox
+
+  rows, k = x.shape
+  in_groups = (jnp.arange(rows) < jnp.sum(group_sizes))[:, None]
+  tiling = (min(512, rows), min(1024, k), min(1024, w.shape[-1]))
+  y = megablox.gmm(jnp.where(in_groups, x, 0), w, group_sizes, x.dtype, tiling, interpret=interpret)
+  return jnp.where(in_groups, y, 0)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str, megablox: bool = False) -> jax.Array:
   """x [rows, k] x w [groups, k, n] by groups of rows (see the module docstring), for devices of `platform`."""
   if platform == "cpu":
     return tiled_grouped_matmul(x, w, group_sizes)
+  if platform == "tpu" and megablox:
+    return megablox_grouped_matmul(x, w, group_sizes)
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -146,7 +146,7 @@ class MoeBlock(nn.Module):
     cfg, mesh = self.config, self.mesh
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if mesh is None:
-      return _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, self.gated, cfg.num_experts, platform, (), 1, ())
+      return _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, self.gated, cfg, platform, (), 1, ())
     token_spec = sharding.logical_to_mesh_spec((ct.BATCH, ct.LENGTH, None), cfg)
     wi_spec = sharding.logical_to_mesh_spec((ct.EXP, None, ct.MLP), cfg)
     wo_spec = sharding.logical_to_mesh_spec((ct.EXP, ct.MLP, None), cfg)
@@ -154,7 +154,7 @@ class MoeBlock(nn.Module):
     ep = math.prod(mesh.shape[a] for a in exp_axes)
 
     def per_device(x, weights, experts, wi, wo):
-      return _dropless_local(x, weights, experts, wi, wo, self.gated, cfg.num_experts, platform, exp_axes, ep, mlp_axes)
+      return _dropless_local(x, weights, experts, wi, wo, self.gated, cfg, platform, exp_axes, ep, mlp_axes)
 
     sharded = jax.shard_map(
       per_device,
@@ -181,10 +181,11 @@ def _axes(spec_entry) -> tuple[str, ...]:
   return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
 
 
-def _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, gated, num_experts, platform, exp_axes, ep, mlp_axes):
+def _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, gated, cfg, platform, exp_axes, ep, mlp_axes):
   """One device's dropless MoE (see MoeBlock.dropless): its tokens x [b, s, embed] with their router weights and
   experts [b, s, k]; wi and wo hold the experts of this device's shard of the `ep` shards over `exp_axes` (all of
   them when ep is 1), and its shard of moe_mlp over `mlp_axes`."""
+  num_experts, megablox = cfg.num_experts, cfg.megablox
   b, s, e = x_BSE.shape
   k = experts_BSK.shape[-1]
   experts_A = experts_BSK.reshape(-1)  # assignment a = t * k + j: token t's j-th choice
@@ -193,8 +194,8 @@ def _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, gated, num_experts,
   x_AE = jnp.take(x_BSE.reshape(b * s, e), order_A // k, axis=0)
 
   def experts_ffn(rows, group_sizes):
-    hidden = gated(rows, wi, lambda x, w: grouped_matmul(x, w, group_sizes, platform))
-    return grouped_matmul(hidden, wo, group_sizes, platform)
+    hidden = gated(rows, wi, lambda x, w: grouped_matmul(x, w, group_sizes, platform, megablox))
+    return grouped_matmul(hidden, wo, group_sizes, platform, megablox)
 
   if ep == 1:
     y_AE = experts_ffn(x_AE, sizes_N)

@@ -5,7 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers.grouped_matmul import Tiles, tiled_grouped_matmul
+from MaxText.layers.grouped_matmul import Tiles, megablox_grouped_matmul, tiled_grouped_matmul
+
+
+def _ragged_dot(x, w, group_sizes):
+  return jax.lax.ragged_dot(x, w, group_sizes, precision=jax.lax.Precision.HIGHEST)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +33,7 @@ def test_tiled_equals_ragged_dot_forward_and_gradients(sizes, tile):
     return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(matmul(x, w) * dy), (0, 1)))(x, w)
 
   got = weighted(lambda x, w: tiled_grouped_matmul(x, w, group_sizes, tile))
-  want = weighted(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes, precision=jax.lax.Precision.HIGHEST))
+  want = weighted(lambda x, w: _ragged_dot(x, w, group_sizes))
   np.testing.assert_allclose(tiled_grouped_matmul(x, w, group_sizes, tile)[sum(sizes) :], 0.0)
   for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(np.asarray(r)).max())
@@ -44,3 +48,22 @@ def test_tiles_cover_each_group_once():
     assert (covered[first : first + valid] == -1).all()
     covered[first : first + valid] = g
   np.testing.assert_array_equal(covered, np.repeat(np.arange(len(sizes)), sizes))
+
+
+@pytest.mark.parametrize("sizes", [[40, 0, 100, 116], [40, 0, 100, 60]], ids=["all_rows", "rows_past_the_groups"])
+def test_megablox_in_interpret_mode_equals_ragged_dot(sizes):
+  """The TPU kernels (Pallas megablox, interpret mode on the CPU): outputs and gradients equal ragged_dot's, also
+  when rows lie past the groups (the expert-parallel receive buffers), which the kernels leave undefined."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, 128, 256)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+
+  def weighted(matmul):
+    return jax.value_and_grad(lambda x, w: jnp.sum(matmul(x, w) * dy), (0, 1))(x, w)
+
+  got = weighted(lambda x, w: megablox_grouped_matmul(x, w, group_sizes, interpret=True))
+  want = weighted(lambda x, w: _ragged_dot(x, w, group_sizes))
+  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(np.asarray(r)).max())

@@ -21,6 +21,7 @@ MOE = (
   "num_experts=4",
   "num_experts_per_tok=2",
   "base_moe_mlp_dim=48",
+  "load_balance_loss_weight=0.01",
 )
 
 
