@@ -377,6 +377,22 @@ def _check_moe(values: Mapping) -> None:
       f"num_experts={n}: decoder_block={block} has a dense MLP; set num_experts=1 or use a mixture-of-experts family "
       f"({', '.join(moe)})"
     )
+  sigmoid, groups, top_groups = (
+    values["routed_score_func"] == "sigmoid",
+    values["n_routing_groups"],
+    values["topk_routing_group"],
+  )
+  if values["routed_score_func"] not in ("", "softmax", "sigmoid"):
+    raise ConfigError(
+      f"routed_score_func={values['routed_score_func']!r} is not supported; choose '' (softmax) or 'sigmoid'"
+    )
+  if (values["routed_bias"] or groups > 0) and not sigmoid:
+    raise ConfigError("routed_bias and n_routing_groups apply to sigmoid routing; set routed_score_func=sigmoid")
+  if groups > 0 and (n % groups or not 1 <= top_groups <= groups or k > top_groups * (n // groups) or n // groups < 2):
+    raise ConfigError(
+      f"n_routing_groups={groups}, topk_routing_group={top_groups}: the groups must split num_experts={n} evenly into "
+      f"groups of at least 2, with 1 <= topk_routing_group <= n_routing_groups holding num_experts_per_tok={k} experts"
+    )
   if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
     raise ConfigError(
       f"routed_scaling_factor={values['routed_scaling_factor']} must be positive, shared_experts="

@@ -46,6 +46,31 @@ def route(logits_TN: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, j
   return weights_TK, experts_TK, probs_TN
 
 
+def route_sigmoid(
+  logits_TN: jax.Array, k: int, bias_N: jax.Array | None, groups: int, top_groups: int, renormalize: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """DeepSeek-V3's routing (arXiv:2412.19437, sec. 2.1.2): (weights [T, k], experts [T, k], scores [T, N]).
+
+  Scores are sigmoids of the logits (float32). Experts are chosen by score + bias (the auxiliary-loss-free
+  balancing bias, which only steers the choice), among the `top_groups` of `groups` equal groups of experts whose
+  two best biased scores sum highest (all experts when groups <= 0). The weights are the chosen experts'
+  unbiased scores, renormalised to sum to 1 when `renormalize`.
+  """
+  scores_TN = jax.nn.sigmoid(logits_TN.astype(jnp.float32))
+  choice_TN = scores_TN if bias_N is None else scores_TN + bias_N.astype(jnp.float32)
+  if groups > 0:
+    t, n = choice_TN.shape
+    best_two = jax.lax.top_k(choice_TN.reshape(t, groups, n // groups), 2)[0]
+    _, kept_groups = jax.lax.top_k(jnp.sum(best_two, axis=-1), top_groups)  # [T, top_groups]
+    in_kept_TG = jnp.any(jax.nn.one_hot(kept_groups, groups, dtype=jnp.bool_), axis=1)
+    choice_TN = jnp.where(jnp.repeat(in_kept_TG, n // groups, axis=1), choice_TN, -jnp.inf)
+  _, experts_TK = jax.lax.top_k(choice_TN, k)
+  weights_TK = jnp.take_along_axis(scores_TN, experts_TK, axis=-1)
+  if renormalize:
+    weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+  return weights_TK, experts_TK, scores_TN
+
+
 def load_balance_loss(experts_BSK: jax.Array, probs_BSN: jax.Array, num_experts: int) -> jax.Array:
   """Switch Transformer's auxiliary loss N * sum_i f_i * P_i (Fedus et al. 2021, eq. 4), per sequence and then
   averaged over the batch, as MaxText computes it: f_i is the number of assignments to expert i per token (they
@@ -99,8 +124,16 @@ class MoeBlock(nn.Module):
     dtype = dtypes(cfg)[0]
     n, k, e, m = cfg.num_experts, cfg.num_experts_per_tok, cfg.emb_dim, cfg.moe_mlp_dim
     b, s, _ = x_BSE.shape
-    logits_BSN = DenseGeneral((n,), (ct.EMBED, None), cfg, name="gate")(x_BSE)
-    weights_TK, experts_TK, probs_TN = route(logits_BSN.reshape(b * s, n), k, self.renormalize)
+    gate = DenseGeneral((n,), (ct.EMBED, None), cfg, compute_dtype=jnp.float32, name="gate")
+    logits_TN = gate(x_BSE).reshape(b * s, n)
+    if cfg.routed_score_func == "sigmoid":
+      bias = None
+      if cfg.routed_bias:  # DeepSeek-V3's e_score_correction_bias: steers the choice, not the weights
+        bias = self.param("gate_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (n,), jnp.float32)
+      groups, top_groups = cfg.n_routing_groups, cfg.topk_routing_group
+      weights_TK, experts_TK, probs_TN = route_sigmoid(logits_TN, k, bias, groups, top_groups, self.renormalize)
+    else:
+      weights_TK, experts_TK, probs_TN = route(logits_TN, k, self.renormalize)
     weights_TK = weights_TK * cfg.routed_scaling_factor
     self.sow("intermediates", "moe_lb_loss", load_balance_loss(experts_TK.reshape(b, s, k), probs_TN.reshape(b, s, n), n))
 

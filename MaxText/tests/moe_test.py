@@ -301,3 +301,57 @@ def test_preset_parameter_counts_equal_the_published_ones_and_transformers(prese
   with torch.device("meta"):
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
   assert sum(p.numel() for p in hf.parameters()) == total
+
+
+def test_sigmoid_group_routing_with_shared_experts_equals_transformers_deepseek_v3_moe():
+  """DeepSeek-V3's MoE (transformers' DeepseekV3MoE, float32, random weights and balancing bias): sigmoid scores,
+  biased choice among the best 2 of 4 expert groups, renormalised and scaled weights, one shared expert. Our
+  MoeBlock with the same weights gives the same outputs (1e-5 of the largest) on 128 tokens."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+  keys = ("num_experts=16", "num_experts_per_tok=4", "routed_score_func=sigmoid", "routed_bias=true",
+          "n_routing_groups=4", "topk_routing_group=2", "shared_experts=1", "routed_scaling_factor=2.5")  # fmt: skip
+  cfg = config(*MOE, *keys)
+  hf_cfg = transformers.DeepseekV3Config(
+    hidden_size=cfg.emb_dim, moe_intermediate_size=cfg.moe_mlp_dim, n_routed_experts=16, num_experts_per_tok=4,
+    n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+  )  # fmt: skip
+  torch.manual_seed(0)
+  hf = DeepseekV3MoE(hf_cfg).eval()
+  with torch.no_grad():
+    for p in hf.parameters():
+      p.normal_(0.0, 0.3)
+    hf.gate.e_score_correction_bias.normal_(0.0, 0.3)
+  x = np.random.default_rng(0).normal(size=(2, 64, cfg.emb_dim)).astype(np.float32)
+  with torch.no_grad():
+    want = hf(torch.from_numpy(x)).numpy()
+
+  m = cfg.moe_mlp_dim
+  gate_up = hf.experts.gate_up_proj.detach().numpy()  # [experts, 2 * moe_mlp, emb]: gate rows, then up rows
+  shared = {n: getattr(hf.shared_experts, n).weight.detach().numpy().T for n in ("gate_proj", "up_proj", "down_proj")}
+  params = {
+    "gate": {"kernel": hf.gate.weight.detach().numpy().T},
+    "gate_bias": hf.gate.e_score_correction_bias.detach().numpy(),
+    "wi_0": gate_up[:, :m].transpose(0, 2, 1),
+    "wi_1": gate_up[:, m:].transpose(0, 2, 1),
+    "wo": hf.experts.down_proj.detach().numpy().transpose(0, 2, 1),
+    "shared": {"wi_0": {"kernel": shared["gate_proj"]}, "wi_1": {"kernel": shared["up_proj"]},
+               "wo": {"kernel": shared["down_proj"]}},
+  }  # fmt: skip
+  got = moe.MoeBlock(cfg, renormalize=True).apply({"params": params}, jnp.asarray(x))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+  "keys, message",
+  [
+    (("routed_bias=true",), "set routed_score_func=sigmoid"),
+    (("routed_score_func=sigmoid", "n_routing_groups=3", "topk_routing_group=1"), "n_routing_groups=3"),
+    (("routed_score_func=tanh",), "routed_score_func='tanh' is not supported"),
+  ],
+)
+def test_routing_mistakes_are_config_errors(keys, message):
+  with pytest.raises(ConfigError, match=message):
+    config(*MOE, *keys)
