@@ -291,3 +291,29 @@ def test_a_fingerprint_leaves_out_keys_that_do_not_shape_the_step():
   keys = compiled_step.fingerprint(cfg, mesh)["config"]
   assert {"run_name", "steps", "metrics_file", "dataset_type", "ici_fsdp_parallelism"}.isdisjoint(keys)
   assert {"emb_dim", "per_device_batch_size", "learning_rate_schedule_steps", "ici_mesh_shape", "remat_policy"} <= set(keys)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("megablox", ["true", "false"])
+def test_a_tiny_mixture_of_experts_compiles_with_expert_parallelism(megablox):
+  """4 experts over ici_expert_parallelism=4: the dropless rows travel by all-to-all, and the grouped matmuls are
+  the Pallas megablox kernels (gmm, tgmm: named in the compiled HLO) with megablox=true, XLA's ragged dot without."""
+  moe = ("decoder_block=mixtral", "override_model_config=true", "num_experts=4", "num_experts_per_tok=2")
+  dims = ("base_emb_dim=256", "base_mlp_dim=512", "head_dim=128", "base_num_query_heads=2", "base_num_kv_heads=2")
+  cfg = _tpu_config(*moe, *dims, "ici_expert_parallelism=4", "ici_fsdp_parallelism=1", f"megablox={megablox}")
+  compiled, report, mesh = train_compile.compile_train_step(cfg)
+  assert dict(mesh.shape)["expert"] == 4 and report.fits
+  assert report.collectives["all-to-all"] > 0
+  assert bool(re.search(r"\bt?gmm\b", compiled.as_text())) == (megablox == "true")
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_mixtral_8x7b_fits_a_v5p_64_with_expert_parallelism(capsys):
+  """The published Mixtral 8x7B (46.7B parameters), 4096-token rows, experts over ici_expert_parallelism=8 and
+  FSDP over the other 4 of 32 v5p chips: it compiles and fits (figures in docs/PERFORMANCE.md)."""
+  argv = ["train_compile.py", BASE_YML, "model_name=mixtral-8x7b", "compile_topology=v5p-64", "ici_expert_parallelism=8"]
+  argv += ["ici_fsdp_parallelism=-1", "per_device_batch_size=4", "max_target_length=4096", "attention=flash"]
+  argv += ["remat_policy=full", "dataset_type=synthetic", "reuse_example_batch=1", "run_name=compile", "jax_cache_dir="]
+  assert train_compile.main(argv) == 0
+  assert "HBM: fits" in capsys.readouterr().out
