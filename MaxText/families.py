@@ -79,11 +79,21 @@ def _mixtral_read(config_json: Mapping, keys: dict) -> dict:
   }
 
 
-def _mixtral_write(cfg: Config) -> dict:
-  if cfg.moe_mlp_dim != cfg.mlp_dim or cfg.shared_experts or cfg.routed_scaling_factor != 1.0:
+def _softmax_router_only(cfg: Config, family: str) -> None:
+  """Mixtral's and Qwen3-MoE's formats hold a softmax router with plain top-k weights and nothing more."""
+  if cfg.shared_experts or cfg.routed_scaling_factor != 1.0 or cfg.routed_score_func == "sigmoid":
     raise ConfigError(
-      f"Mixtral's format has one intermediate_size and plain top-k weights: needs moe_mlp_dim == mlp_dim (now "
-      f"{cfg.moe_mlp_dim} and {cfg.mlp_dim}), shared_experts=0 and routed_scaling_factor=1"
+      f"{family}'s Hugging Face format has a softmax router and no shared experts: needs shared_experts=0, "
+      "routed_scaling_factor=1 and routed_score_func='' (softmax)"
+    )
+
+
+def _mixtral_write(cfg: Config) -> dict:
+  _softmax_router_only(cfg, "Mixtral")
+  if cfg.moe_mlp_dim != cfg.mlp_dim:
+    raise ConfigError(
+      f"Mixtral's Hugging Face format has one intermediate_size: needs moe_mlp_dim == mlp_dim (now {cfg.moe_mlp_dim} "
+      f"and {cfg.mlp_dim})"
     )
   return _mistral_write(cfg) | {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok}
 
@@ -135,10 +145,7 @@ def _qwen3_moe_read(config_json: Mapping, keys: dict) -> dict:
 
 
 def _qwen3_moe_write(cfg: Config) -> dict:
-  if cfg.shared_experts or cfg.routed_scaling_factor != 1.0:
-    raise ConfigError(
-      "Qwen3-MoE's format has no shared experts or routed scaling; needs shared_experts=0, routed_scaling_factor=1"
-    )
+  _softmax_router_only(cfg, "Qwen3-MoE")
   return _qwen3_write(cfg) | {
     "num_experts": cfg.num_experts,
     "num_experts_per_tok": cfg.num_experts_per_tok,

@@ -1,8 +1,20 @@
 """The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
 
+import jax
 import optax
 
 from MaxText.common_types import Config
+
+# Parameters that AdamW does not decay: DeepSeek-V3's routing bias (layers/moe.py) steers the choice of experts
+# only, so its gradient is zero; decay would pull a loaded bias to 0.
+NOT_DECAYED = ("gate_bias",)
+
+
+def decays(params):
+  """A tree of bools like params: False for the parameters in NOT_DECAYED."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: not any(getattr(k, "key", None) in NOT_DECAYED for k in path), params
+  )
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -30,6 +42,7 @@ def create_optimizer(config: Config, schedule: optax.Schedule) -> optax.Gradient
     eps=config.adam_eps,
     eps_root=config.adam_eps_root,
     weight_decay=config.adam_weight_decay,
+    mask=decays,
   )
   if config.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)

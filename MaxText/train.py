@@ -37,7 +37,8 @@ from MaxText.layers import models  # noqa: E402
 # ---------------------------------------------------------------------------------------------- the math
 def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   """Summed float32 loss over non-padding targets, and aux: {"tokens": their number, "xent": the summed
-  cross-entropy, and for mixture-of-experts models "moe_lb_loss": the summed load-balancing loss}.
+  cross-entropy, and for mixture-of-experts models "moe_lb_loss": the summed load-balancing loss, and with
+  capacity_factor > 0 "moe_dropped": the assignments the experts' capacity dropped}.
 
   batch: inputs, inputs_segmentation, inputs_position, targets, targets_segmentation [batch, length].
   Returning sums (not means) lets micro-batches add up to exactly the full batch's loss.
@@ -63,11 +64,17 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   if config.num_experts > 1:
     # The router's load-balancing loss is a mean over layers of a per-token mean (layers/moe.py), added to the
     # mean cross-entropy as in MaxText; scaled by the tokens, it adds up over micro-batches as the sum does.
-    lb_losses = [v for path, v in jax.tree_util.tree_leaves_with_path(sown) if "moe_lb_loss" in jax.tree_util.keystr(path)]
-    aux["moe_lb_loss"] = config.load_balance_loss_weight * jnp.mean(jnp.concatenate([jnp.ravel(v) for v in lb_losses]))
-    aux["moe_lb_loss"] = aux["moe_lb_loss"] * tokens.astype(jnp.float32)
+    lb_loss = jnp.mean(jnp.concatenate([jnp.ravel(v) for v in _sown(sown, "moe_lb_loss")]))
+    aux["moe_lb_loss"] = config.load_balance_loss_weight * lb_loss * tokens.astype(jnp.float32)
+    if config.capacity_factor > 0:
+      aux["moe_dropped"] = sum(jnp.sum(v) for v in _sown(sown, "moe_dropped"))
     return xent + aux["moe_lb_loss"], aux
   return xent, aux
+
+
+def _sown(sown: dict, name: str) -> list[jax.Array]:
+  """The values layers sowed under `name` (one per layer, or stacked over scanned layers)."""
+  return [v for path, v in jax.tree_util.tree_leaves_with_path(sown) if name in jax.tree_util.keystr(path)]
 
 
 @jax.custom_vjp
@@ -170,6 +177,8 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   }
   if "moe_lb_loss" in aux:
     step_metrics["learning/moe_lb_loss"] = aux["moe_lb_loss"] / denominator
+  if "moe_dropped" in aux:
+    step_metrics["learning/moe_dropped_tokens"] = aux["moe_dropped"]
   return new_state, step_metrics
 
 

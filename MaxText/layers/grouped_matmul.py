@@ -21,7 +21,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-TILE = 256  # Rows per tile of the CPU implementation (measured in docs/PERFORMANCE.md, "Mixture of experts").
+MAX_TILE = 256  # Most rows per tile of the CPU implementation (docs/PERFORMANCE.md, "Mixture of experts").
+
+
+def tile_rows(rows: int, groups: int) -> int:
+  """Rows per tile: a power of 2 near an even group's share of the rows, from 8 to MAX_TILE, so the partial tile
+  of each group (up to groups * tile padding rows) stays small next to the rows themselves."""
+  share = max(rows // max(groups, 1), 1)
+  return min(MAX_TILE, max(8, 1 << (share - 1).bit_length()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +71,7 @@ def _matmul(a: jax.Array, b: jax.Array, spec: str, dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = TILE) -> jax.Array:
+def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) -> jax.Array:
   """grouped_matmul by tiles of `tile` rows (see the module docstring); float32 accumulation."""
   return _tiled_fwd(x, w, group_sizes, tile)[0]
 
@@ -95,16 +102,19 @@ def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, 
   from jax.experimental.pallas.ops.tpu import megablox
 
   rows, k = x.shape
-  in_groups = (jnp.arange(rows) < jnp.sum(group_sizes))[:, None]
-  tiling = (min(512, rows), min(1024, k), min(1024, w.shape[-1]))
+  tm = 512 if rows >= 512 else -(-rows // 16) * 16  # gmm needs whole row tiles: pad the rows to a multiple
+  padded = -(-rows // tm) * tm
+  in_groups = (jnp.arange(padded) < jnp.sum(group_sizes))[:, None]
+  x = jnp.pad(x, ((0, padded - rows), (0, 0)))
+  tiling = (tm, min(1024, k), min(1024, w.shape[-1]))
   y = megablox.gmm(jnp.where(in_groups, x, 0), w, group_sizes, x.dtype, tiling, interpret=interpret)
-  return jnp.where(in_groups, y, 0)
+  return jnp.where(in_groups, y, 0)[:rows]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str, megablox: bool = False) -> jax.Array:
   """x [rows, k] x w [groups, k, n] by groups of rows (see the module docstring), for devices of `platform`."""
   if platform == "cpu":
-    return tiled_grouped_matmul(x, w, group_sizes)
+    return tiled_grouped_matmul(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
   if platform == "tpu" and megablox:
     return megablox_grouped_matmul(x, w, group_sizes)
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)

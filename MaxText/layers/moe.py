@@ -5,12 +5,13 @@ outputs, weighted by the router.
 The experts run one of three ways, which compute the same function (tests):
   - dropless (capacity_factor <= 0 and sparse_matmul, the default): the (token, choice) assignments are sorted by
     expert, each projection is one grouped matmul over the sorted rows (layers/grouped_matmul.py), and the outputs
-    are put back in token order. FLOPs are those of the chosen experts only. Each device sorts its own tokens
+    are put back in token order. Each device sorts its own tokens
     (shard_map); with expert parallelism (the `expert` mesh axis) the rows travel to the devices holding their
     experts and back by all-to-all.
   - capacity (capacity_factor > 0): each expert takes at most C = ceil(k * length / num_experts * capacity_factor)
-    assignments of a sequence, in order of position and then of choice (GShard, Lepikhin et al. 2020); the rest
-    are dropped (they add nothing to the token's output) and counted. Dispatch and combine are one-hot einsums.
+    assignments of a sequence, in order of position and then of choice (as MaxText; GShard, Lepikhin et al. 2020,
+    serves all first choices first); the rest are dropped (they add nothing to the token's output) and counted
+    (logged as learning/moe_dropped_tokens). Dispatch and combine are one-hot einsums.
   - dense (capacity_factor <= 0, sparse_matmul=false): every expert runs on every token and the router weights
     (zero for experts not chosen) combine them: num_experts / k times the FLOPs, the plainest form.
 
@@ -19,12 +20,16 @@ collection; train.loss_fn adds its mean over layers to the loss. The capacity pa
 number of assignments it dropped.
 """
 
+import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from MaxText import common_types as ct
 from MaxText import sharding
@@ -49,7 +54,8 @@ def route(logits_TN: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, j
 def route_sigmoid(
   logits_TN: jax.Array, k: int, bias_N: jax.Array | None, groups: int, top_groups: int, renormalize: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """DeepSeek-V3's routing (arXiv:2412.19437, sec. 2.1.2): (weights [T, k], experts [T, k], scores [T, N]).
+  """DeepSeek-V3's routing (arXiv:2412.19437, sec. 2.1.2): (weights [T, k], experts [T, k], probs [T, N]), probs
+  being the scores normalised to sum to 1 per token (what its balance loss averages, eq. 20).
 
   Scores are sigmoids of the logits (float32). Experts are chosen by score + bias (the auxiliary-loss-free
   balancing bias, which only steers the choice), among the `top_groups` of `groups` equal groups of experts whose
@@ -68,7 +74,7 @@ def route_sigmoid(
   weights_TK = jnp.take_along_axis(scores_TN, experts_TK, axis=-1)
   if renormalize:
     weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
-  return weights_TK, experts_TK, scores_TN
+  return weights_TK, experts_TK, scores_TN / jnp.sum(scores_TN, axis=-1, keepdims=True)
 
 
 def load_balance_loss(experts_BSK: jax.Array, probs_BSN: jax.Array, num_experts: int) -> jax.Array:
@@ -179,18 +185,15 @@ class MoeBlock(nn.Module):
     cfg, mesh = self.config, self.mesh
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if mesh is None:
-      return _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, self.gated, cfg, platform, (), 1, ())
-    token_spec = sharding.logical_to_mesh_spec((ct.BATCH, ct.LENGTH, None), cfg)
+      return DevicePlan(cfg, self.gated, platform)(x_BSE, weights_BSK, experts_BSK, wi, wo)
+    # Token dimensions that do not split evenly (a decode step's length of 1 over sequence shards) stay whole.
+    token_spec = _fitting(sharding.logical_to_mesh_spec((ct.BATCH, ct.LENGTH, None), cfg), x_BSE.shape, mesh)
     wi_spec = sharding.logical_to_mesh_spec((ct.EXP, None, ct.MLP), cfg)
     wo_spec = sharding.logical_to_mesh_spec((ct.EXP, ct.MLP, None), cfg)
     exp_axes, mlp_axes = _axes(wi_spec[0]), _axes(wi_spec[2])
-    ep = math.prod(mesh.shape[a] for a in exp_axes)
-
-    def per_device(x, weights, experts, wi, wo):
-      return _dropless_local(x, weights, experts, wi, wo, self.gated, cfg, platform, exp_axes, ep, mlp_axes)
-
+    plan = DevicePlan(cfg, self.gated, platform, exp_axes, math.prod(mesh.shape[a] for a in exp_axes), mlp_axes)
     sharded = jax.shard_map(
-      per_device,
+      plan,
       mesh=mesh,
       in_specs=(token_spec, token_spec, token_spec, [wi_spec] * len(wi), wo_spec),
       out_specs=token_spec,
@@ -214,38 +217,56 @@ def _axes(spec_entry) -> tuple[str, ...]:
   return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
 
 
-def _dropless_local(x_BSE, weights_BSK, experts_BSK, wi, wo, gated, cfg, platform, exp_axes, ep, mlp_axes):
-  """One device's dropless MoE (see MoeBlock.dropless): its tokens x [b, s, embed] with their router weights and
-  experts [b, s, k]; wi and wo hold the experts of this device's shard of the `ep` shards over `exp_axes` (all of
-  them when ep is 1), and its shard of moe_mlp over `mlp_axes`."""
-  num_experts, megablox = cfg.num_experts, cfg.megablox
-  b, s, e = x_BSE.shape
-  k = experts_BSK.shape[-1]
-  experts_A = experts_BSK.reshape(-1)  # assignment a = t * k + j: token t's j-th choice
-  order_A = jnp.argsort(experts_A, stable=True)  # by expert; tokens keep their order within one
-  sizes_N = jnp.bincount(experts_A, length=num_experts).astype(jnp.int32)
-  x_AE = jnp.take(x_BSE.reshape(b * s, e), order_A // k, axis=0)
+def _fitting(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec:
+  """`spec` with the entries whose mesh axes do not divide their dimension of `shape` dropped (left whole)."""
+  entries = [e if shape[i] % math.prod(mesh.shape[a] for a in _axes(e)) == 0 else None for i, e in enumerate(spec)]
+  return PartitionSpec(*entries)
 
-  def experts_ffn(rows, group_sizes):
-    hidden = gated(rows, wi, lambda x, w: grouped_matmul(x, w, group_sizes, platform, megablox))
-    return grouped_matmul(hidden, wo, group_sizes, platform, megablox)
 
-  if ep == 1:
-    y_AE = experts_ffn(x_AE, sizes_N)
-  else:
-    y_AE = _exchange_and_run(x_AE, jnp.take(experts_A, order_A), sizes_N, ep, exp_axes, experts_ffn)
-  y_TKE = jnp.take(y_AE, jnp.argsort(order_A), axis=0).reshape(b * s, k, e)
-  y_TE = jnp.einsum("TKE,TK->TE", y_TKE, weights_BSK.reshape(b * s, k).astype(y_TKE.dtype))
-  if mlp_axes:  # each device holds a shard of moe_mlp: its wo gives a partial sum
-    y_TE = jax.lax.psum(y_TE, mlp_axes)
-  return y_TE.reshape(b, s, e)
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+  """One device's dropless MoE (see MoeBlock.dropless), as called under shard_map: wi and wo hold the experts of
+  this device's shard of the `ep` shards over `exp_axes` (all of them when ep is 1), and its shard of moe_mlp
+  over `mlp_axes`."""
+
+  config: Config
+  gated: Callable  # MoeBlock.gated
+  platform: str  # the devices' platform, which picks the grouped matmul
+  exp_axes: tuple[str, ...] = ()
+  ep: int = 1
+  mlp_axes: tuple[str, ...] = ()
+
+  def __call__(self, x_BSE, weights_BSK, experts_BSK, wi, wo) -> jax.Array:
+    """Tokens x [b, s, embed] with their router weights and experts [b, s, k] -> [b, s, embed]."""
+    b, s, e = x_BSE.shape
+    k = experts_BSK.shape[-1]
+    experts_A = experts_BSK.reshape(-1)  # assignment a = t * k + j: token t's j-th choice
+    order_A = jnp.argsort(experts_A, stable=True)  # by expert; tokens keep their order within one
+    sizes_N = jnp.bincount(experts_A, length=self.config.num_experts).astype(jnp.int32)
+    x_AE = jnp.take(x_BSE.reshape(b * s, e), order_A // k, axis=0)
+
+    def experts_ffn(rows, group_sizes):
+      matmul = functools.partial(grouped_matmul, platform=self.platform, megablox=self.config.megablox)
+      hidden = self.gated(rows, wi, lambda x, w: matmul(x, w, group_sizes))
+      return matmul(hidden, wo, group_sizes)
+
+    if self.ep == 1:
+      y_AE = experts_ffn(x_AE, sizes_N)
+    else:
+      y_AE = _exchange_and_run(x_AE, jnp.take(experts_A, order_A), sizes_N, self.ep, self.exp_axes, experts_ffn)
+    y_TKE = jnp.take(y_AE, jnp.argsort(order_A), axis=0).reshape(b * s, k, e)
+    y_TE = jnp.einsum("TKE,TK->TE", y_TKE, weights_BSK.reshape(b * s, k).astype(y_TKE.dtype))
+    if self.mlp_axes:  # each device holds a shard of moe_mlp: its wo gives a partial sum
+      y_TE = jax.lax.psum(y_TE, self.mlp_axes)
+    return y_TE.reshape(b, s, e)
 
 
 def _exchange_and_run(x_AE, experts_A, sizes_N, ep, exp_axes, experts_ffn):
   """Expert parallelism: this device's rows x [A, embed], sorted by expert (experts_A), go to the device holding
   their expert by all-to-all over exp_axes; each device runs its num_experts / ep experts on what it received
   and the outputs come back the same way. Buffers are padded to A rows per device pair (all of a device's rows
-  may go to one expert shard), so shapes are static."""
+  may go to one expert shard), so shapes are static: each device receives ep * A rows, of which about A are
+  real. Megablox skips the padding rows; the CPU's tiled matmul computes them too (ep times the FLOPs)."""
   rows, e = x_AE.shape
   local = sizes_N.shape[0] // ep
   sizes_DL = sizes_N.reshape(ep, local)  # rows for destination shard d's local expert l

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers.grouped_matmul import Tiles, megablox_grouped_matmul, tiled_grouped_matmul
+from MaxText.layers.grouped_matmul import Tiles, megablox_grouped_matmul, tile_rows, tiled_grouped_matmul
 
 
 def _ragged_dot(x, w, group_sizes):
@@ -50,14 +50,18 @@ def test_tiles_cover_each_group_once():
   np.testing.assert_array_equal(covered, np.repeat(np.arange(len(sizes)), sizes))
 
 
-@pytest.mark.parametrize("sizes", [[40, 0, 100, 116], [40, 0, 100, 60]], ids=["all_rows", "rows_past_the_groups"])
+@pytest.mark.parametrize(
+  "sizes", [[40, 0, 100, 116], [40, 0, 100, 60], [300, 0, 100, 300]], ids=["all_rows", "rows_past_the_groups", "700_rows"]
+)
 def test_megablox_in_interpret_mode_equals_ragged_dot(sizes):
   """The TPU kernels (Pallas megablox, interpret mode on the CPU): outputs and gradients equal ragged_dot's, also
-  when rows lie past the groups (the expert-parallel receive buffers), which the kernels leave undefined."""
+  when rows lie past the groups (the expert-parallel receive buffers), which the kernels leave undefined, and
+  for a row count that is no multiple of the 512-row tile (padded)."""
   rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+  rows = max(256, sum(sizes))
+  x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((4, 128, 256)), jnp.float32)
-  dy = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
   group_sizes = jnp.asarray(sizes, jnp.int32)
 
   def weighted(matmul):
@@ -67,3 +71,9 @@ def test_megablox_in_interpret_mode_equals_ragged_dot(sizes):
   want = weighted(lambda x, w: _ragged_dot(x, w, group_sizes))
   for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(np.asarray(r)).max())
+
+
+def test_tiles_follow_the_rows_per_group():
+  """A power of 2 near an even share of the rows per group, within [8, 256]."""
+  assert tile_rows(2048, 8) == 256 and tile_rows(8192, 8) == 256
+  assert tile_rows(128, 128) == 8 and tile_rows(96, 4) == 32

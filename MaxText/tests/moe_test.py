@@ -355,3 +355,32 @@ def test_sigmoid_group_routing_with_shared_experts_equals_transformers_deepseek_
 def test_routing_mistakes_are_config_errors(keys, message):
   with pytest.raises(ConfigError, match=message):
     config(*MOE, *keys)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("keys", [("shared_experts=1",), ("routed_score_func=sigmoid",), ("routed_scaling_factor=2.0",)])
+def test_export_refuses_what_the_hugging_face_format_cannot_hold(family, keys):
+  """A Mixtral or Qwen3-MoE config.json has a softmax router and no shared experts: exporting a model that has
+  them is a ConfigError, never a file that routes differently."""
+  from MaxText import families
+
+  cfg = config(*MOE, f"decoder_block={family}", *keys)
+  with pytest.raises(ConfigError, match="softmax router and no shared experts"):
+    families.hf_mapping(cfg).write_config(cfg)
+
+
+def test_a_decode_step_under_sequence_and_expert_parallelism_equals_one_device():
+  """One token per row (a decode step) cannot split over 2 sequence shards: the block keeps that dimension whole
+  on each device instead of failing, and gives the unsharded outputs."""
+  from MaxText import sharding
+
+  one = config(*MOE, "num_experts=8")
+  block, params, _ = _block(one, batch=8)
+  x = jax.random.normal(jax.random.key(5), (8, 1, one.emb_dim), jnp.float32)
+  cfg = config(*MOE, "num_experts=8", "ici_sequence_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+               num_devices=8)  # fmt: skip
+  device_mesh = sharding.create_mesh(cfg, jax.devices()[:8])
+  with jax.set_mesh(device_mesh):
+    got = jax.jit(moe.MoeBlock(cfg, device_mesh, renormalize=True).apply)({"params": params}, x)
+  want = block.apply({"params": params}, x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

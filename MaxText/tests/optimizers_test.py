@@ -162,3 +162,16 @@ def test_adamw_matches_float64_reference(clip):
   # The test can tell clipping from none: the other setting's reference is far outside the tolerance.
   other, _, _ = _reference_adamw(params, grads_per_step, lrs, **ADAM, clip=1.0 - clip)
   assert max(float(np.max(np.abs(other[k] - want_params[k]))) for k in params) > 1e-3
+
+
+def test_the_routing_bias_is_not_decayed():
+  """With zero gradients, AdamW's decoupled decay shrinks a weight by lr * weight_decay but leaves DeepSeek's
+  routing bias (`gate_bias`, zero gradient by construction) as it is."""
+  cfg = config("learning_rate=0.1", "adam_weight_decay=0.5", "warmup_steps_fraction=0", "gradient_clipping_threshold=0")
+  tx = optimizers.create_optimizer(cfg, optimizers.learning_rate_schedule(cfg))
+  params = {"mlp": {"gate_bias": jnp.full((4,), 0.3), "wo": jnp.full((2, 2), 0.3)}}
+  grads = jax.tree_util.tree_map(jnp.zeros_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(new["mlp"]["gate_bias"], params["mlp"]["gate_bias"])
+  np.testing.assert_allclose(new["mlp"]["wo"], 0.3 * (1 - 0.1 * 0.5), rtol=1e-6)
