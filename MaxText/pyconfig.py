@@ -307,6 +307,8 @@ def _check_model(values: Mapping) -> None:
   shape = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers")
   _check_positive(values, (*shape, "head_dim", "vocab_size", "max_target_length"))
   _check_positive(values, ("rope_min_timescale", "rope_max_timescale", "rope_scaling_factor"))
+  if values["rope_type"] == "yarn":
+    _check_positive(values, ("original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow"))
   if values["vocab_size"] >= 2**31:
     raise ConfigError(f"vocab_size={values['vocab_size']} does not fit the int32 token ids; give a size below 2**31")
   if values["base_num_query_heads"] % values["base_num_kv_heads"]:

@@ -167,8 +167,23 @@ def read_rope(hf: Mapping) -> dict:
       "rope_high_freq_factor": float(params["high_freq_factor"]),
       "rope_original_max_position": int(params["original_max_position_embeddings"]),
     }
+  if kind == "yarn":
+    if params.get("attention_factor") is not None or params.get("mscale_all_dim"):
+      raise unsupported("yarn with attention_factor or mscale_all_dim is not supported for this family")
+    return keys | {
+      "rope_type": "yarn",
+      "rope_factor": float(params["factor"]),
+      "original_max_position_embeddings": int(
+        params.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+      ),
+      "beta_fast": float(params.get("beta_fast") or 32.0),
+      "beta_slow": float(params.get("beta_slow") or 1.0),
+      "mscale": float(params.get("mscale") or 1.0),
+      "rope_truncate": bool(params.get("truncate", True)),
+      "rope_attention_scaling": True,  # transformers multiplies cos and sin by the temperature
+    }
   if kind != "default":
-    raise unsupported(f"rope type {kind!r} is not supported; supported: default and llama3")
+    raise unsupported(f"rope type {kind!r} is not supported; supported: default, llama3 and yarn")
   return keys
 
 
@@ -182,6 +197,18 @@ def write_rope(cfg: Config) -> dict:
       "high_freq_factor": cfg.rope_high_freq_factor,
       "original_max_position_embeddings": cfg.rope_original_max_position,
     }
+  if cfg.rope_type == "yarn":
+    scaling = {
+      "rope_type": "yarn",
+      "factor": cfg.rope_factor,
+      "original_max_position_embeddings": cfg.original_max_position_embeddings,
+      "beta_fast": cfg.beta_fast,
+      "beta_slow": cfg.beta_slow,
+      "mscale": cfg.mscale,
+      "truncate": cfg.rope_truncate,
+    }
+    if not cfg.rope_attention_scaling:
+      scaling["attention_factor"] = 1.0
   return {"rope_theta": cfg.rope_max_timescale, "rope_scaling": scaling}
 
 

@@ -10,7 +10,7 @@ from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers import attention_kernels
 from MaxText.layers.attention_kernels import MASK_VALUE, soft_cap, within_window
-from MaxText.layers.embeddings import apply_rope, rope_frequencies
+from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale
 from MaxText.layers.linears import PRECISIONS, DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
 
@@ -94,7 +94,8 @@ class Attention(nn.Module):
       k = RMSNorm(cfg, name="key_norm")(k)
     if self.use_rope:
       freq = rope_frequencies(cfg, head_dim)
-      q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
+      scale = rope_scale(cfg)
+      q, k = apply_rope(q, positions, freq, scale), apply_rope(k, positions, freq, scale)
     q = q * jnp.asarray((cfg.query_pre_attn_scalar or head_dim) ** -0.5, q.dtype)
     precision = PRECISIONS[cfg.matmul_precision]
     window, cap = sliding_window, cfg.attn_logits_soft_cap

@@ -1,5 +1,7 @@
 """Token embedding and rotary position embedding (RoPE)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +49,19 @@ class Embed(nn.Module):
     )
 
 
-ROPE_TYPES = ("default", "llama3.1")  # `rope_type`: RoFormer's frequencies, or with Llama 3.1's scaling (below)
+ROPE_TYPES = ("default", "llama3.1", "yarn")  # `rope_type`: RoFormer's frequencies, or scaled as Llama 3.1 or YaRN
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature sqrt(1/t) = 0.1 * mscale * ln(factor) + 1 (Peng et al. 2023, eq. 22)."""
+  return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_scale(config: Config) -> float:
+  """The factor RoPE's outputs are multiplied by: YaRN's yarn_mscale with rope_attention_scaling, else 1."""
+  if config.rope_type == "yarn" and config.rope_attention_scaling:
+    return yarn_mscale(config.rope_factor, config.mscale)
+  return 1.0
 
 
 def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
@@ -57,6 +71,9 @@ def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
   theta = rope_max_timescale). rope_type=llama3.1 rescales low frequencies as in Llama 3.1 (arXiv:2407.21783,
   and Meta's reference `apply_scaling`): wavelengths above original_len / low_freq_factor are divided by
   `rope_scaling_factor`, those below original_len / high_freq_factor kept, and the band between blended.
+  rope_type=yarn (Peng et al. 2023, arXiv:2309.00071, "NTK-by-parts"): pairs that turn fewer than beta_slow
+  times over original_max_position_embeddings are interpolated (frequency / rope_factor), those that turn more
+  than beta_fast times kept, with a linear ramp between (bounds rounded outwards with rope_truncate).
   The frequencies depend only on the config, so they are constants of the compiled program.
   """
   fraction = 2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim
@@ -69,16 +86,30 @@ def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
     smooth = (old_len / wavelen - low) / (high - low)
     blended = (1.0 - smooth) * freq / factor + smooth * freq
     freq = np.where(wavelen < old_len / high, freq, np.where(wavelen > old_len / low, freq / factor, blended))
+  if config.rope_type == "yarn":
+    old_len, base = float(config.original_max_position_embeddings), hi / lo
+
+    def pair_turning(rotations):  # the pair index that turns `rotations` times over old_len
+      return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(config.beta_fast), pair_turning(config.beta_slow)
+    if config.rope_truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 0.001), 0.0, 1.0)
+    freq = freq / config.rope_factor * ramp + freq * (1.0 - ramp)
   return freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array) -> jax.Array:
-  """Rotates x [batch, length, heads, head_dim] by positions [batch, length].
+def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1.0) -> jax.Array:
+  """Rotates x [batch, length, heads, head_dim] by positions [batch, length], times `scale` (rope_scale).
 
   Pairs are (i, i + head_dim/2), the "rotate half" layout of Hugging Face's Llama, computed in float32.
   """
   angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [batch, length, 1, head_dim/2]
   sin, cos = jnp.sin(angle), jnp.cos(angle)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  if scale != 1.0:
+    sin, cos = sin * scale, cos * scale
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)

@@ -39,6 +39,10 @@ def hf_model(family: str):
   if family == "qwen3":  # QK-norm, heads x head_dim != hidden, tied
     cfg = t.Qwen3Config(**COMMON, num_attention_heads=6, num_key_value_heads=3, head_dim=10, tie_word_embeddings=True)
     return t.Qwen3ForCausalLM(cfg)
+  if family == "qwen3_yarn":  # YaRN RoPE scaling 4x over 16 original positions (the test rows reach 32)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5000.0}
+    cfg = t.Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_scaling=rope)
+    return t.Qwen3ForCausalLM(cfg)
   if family == "gemma":  # multi-query attention, tied
     return t.GemmaForCausalLM(t.GemmaConfig(**COMMON, num_attention_heads=3, num_key_value_heads=1, head_dim=16))
   if family == "gemma2":  # local/global layers, soft-capping, query_pre_attn_scalar != head_dim
@@ -141,7 +145,7 @@ def assert_close(ours, theirs, valid):
   assert err <= 1e-4, f"relative logit difference {err:.2e}"
 
 
-FAMILIES = ["llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma", "gemma2", "gpt2"]
+FAMILIES = ["llama", "mistral", "mixtral", "qwen3", "qwen3_yarn", "qwen3_moe", "gemma", "gemma2", "gpt2"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -229,8 +233,11 @@ def test_config_json_of_transformers_4_and_5_give_the_same_keys():
   v4 = families.model_keys_from_hf(base | {"rope_theta": 500000.0, "rope_scaling": rope})
   v5 = families.model_keys_from_hf(base | {"rope_parameters": rope | {"rope_theta": 500000.0}})
   assert v4 == v5 and v4["rope_type"] == "llama3.1" and v4["rope_max_timescale"] == 500000.0
-  with pytest.raises(ConfigError, match="rope type 'yarn'"):
-    families.model_keys_from_hf(base | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+  with pytest.raises(ConfigError, match="rope type 'dynamic'"):
+    families.model_keys_from_hf(base | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+  deepseek_yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0}
+  with pytest.raises(ConfigError, match="mscale_all_dim is not supported"):
+    families.model_keys_from_hf(base | {"rope_scaling": deepseek_yarn})
   gemma2 = dict(base, model_type="gemma2", hidden_activation="gelu_pytorch_tanh", head_dim=16)
   with pytest.raises(ConfigError, match="layer_types"):
     families.model_keys_from_hf(gemma2 | {"layer_types": ["full_attention", "sliding_attention"]})
