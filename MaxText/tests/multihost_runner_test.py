@@ -310,7 +310,14 @@ def test_stopping_the_runner_stops_every_worker(sshd, tmp_path, how):
     _wait_ready(runner, tmp_path, 2)
     signum = getattr(signal, how)
     runner.send_signal(signum)
-    code = runner.wait(30)
+    try:
+      code = runner.wait(30)
+    except subprocess.TimeoutExpired:  # Keep what the runner and the workers said: pytest's tmp_path is rotated.
+      logs = sorted(tmp_path.rglob("*.out")) + sorted(tmp_path.rglob("*.err")) + sorted(tmp_path.rglob("*.log"))
+      said = "\n".join(f"== {p.name}:\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+      raise AssertionError(
+        f"the runner did not exit within 30 s of {how}; its output and the workers' logs:\n{said}"
+      ) from None
   finally:
     if runner.poll() is None:
       runner.kill()
