@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -25,6 +26,13 @@ from MaxText.tests.helpers import run as run_command
 
 RUNNER = os.path.join(REPO_ROOT, "multihost_runner.py")
 SSHD = "/usr/sbin/sshd"
+# Starts the program in argv[1:] with SIGINT at its default and no signal blocked, as from a shell. Children
+# inherit ignored and blocked signals, and the pytest process of a whole-suite run can have SIGINT so (the runner
+# then never saw a Ctrl-C in two CI runs); tests of what Ctrl-C does must not depend on that.
+FRESH_SIGNALS = (
+  "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, ()); signal.signal(signal.SIGINT, signal.SIG_DFL); "
+  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 HOSTS = ("127.0.0.1", "127.0.0.2")
 JOB_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_ID")
 
@@ -47,9 +55,12 @@ class Sshd:
   known_hosts: str
 
   def runner(self, *flags: str, hosts=HOSTS) -> list[str]:
-    """The runner's command line for these hosts, as the sshd's user, with the test's key and known_hosts."""
+    """The runner's command line for these hosts, as the sshd's user, with the test's key and known_hosts, started
+    with the signal state a shell gives it (FRESH_SIGNALS)."""
     return [
       sys.executable,
+      "-c",
+      FRESH_SIGNALS,
       RUNNER,
       f"--HOSTS={','.join(hosts)}",
       f"--SSH_PORT={self.port}",
@@ -299,12 +310,23 @@ def _sleeping_job(sshd, tmp_path, token: str, *flags: str):
     return subprocess.Popen(argv, stdout=out, stderr=err)
 
 
+def _warn_if_sigint_is_off_here():
+  """A warning (in pytest's summary) when this process has SIGINT ignored or blocked, which FRESH_SIGNALS undoes
+  for the runner."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    masks = {k: int(v, 16) for k, v in (line.split(":\t") for line in f.read().splitlines()) if k in ("SigBlk", "SigIgn")}
+  off = [k for k, mask in masks.items() if mask & (1 << (signal.SIGINT - 1))]
+  if off:
+    warnings.warn(f"SIGINT is {' and '.join(off)} in the test process ({masks}); the runner starts without it", stacklevel=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
 def test_stopping_the_runner_stops_every_worker(sshd, tmp_path, how):
   """SIGTERM or Ctrl-C: the runner stops the workers and exits 128+signal; SIGKILL: its ssh connections' stdin
   closes, and each worker's watchdog ends COMMAND by itself."""
   token = f"stoprun{how}{time.time_ns()}"
+  _warn_if_sigint_is_off_here()
   runner = _sleeping_job(sshd, tmp_path, token, "--STOP_GRACE=3")
   try:
     _wait_ready(runner, tmp_path, 2)
