@@ -26,9 +26,10 @@ from MaxText.tests.helpers import run as run_command
 
 RUNNER = os.path.join(REPO_ROOT, "multihost_runner.py")
 SSHD = "/usr/sbin/sshd"
-# Starts the program in argv[1:] with SIGINT at its default and no signal blocked, as from a shell. Children
-# inherit ignored and blocked signals, and the pytest process of a whole-suite run can have SIGINT so (the runner
-# then never saw a Ctrl-C in two CI runs); tests of what Ctrl-C does must not depend on that.
+# Starts the program in argv[1:] with SIGINT at its default and no signal blocked, as an interactive shell does.
+# Children inherit ignored and blocked signals, and a pytest started in the background by a non-interactive shell
+# (`bash .ci/run &`) has SIGINT and SIGQUIT ignored (POSIX): the runner then never saw the test's Ctrl-C. Tests
+# of what Ctrl-C does must not depend on how pytest was started.
 FRESH_SIGNALS = (
   "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, ()); signal.signal(signal.SIGINT, signal.SIG_DFL); "
   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
