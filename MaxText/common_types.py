@@ -75,6 +75,8 @@ NORM = "norm"
 LAYERS = "layers"
 EXP = "exp"  # The experts of a mixture-of-experts block.
 EMBED_NO_EXP = "embed_no_exp"  # The embed axis of expert weights, whose expert axis takes the expert mesh axis.
+Q_LORA = "q_lora"  # Multi-head latent attention's compressed query (q_lora_rank).
+KV_LORA = "kv_lora"  # Multi-head latent attention's compressed keys and values (kv_lora_rank).
 
 # Activation axes.
 BATCH = "activation_batch"
@@ -93,7 +95,7 @@ CACHE_HEADS = "cache_heads"
 CACHE_KV = "cache_kv"
 CACHE_AXES = (CACHE_BATCH, CACHE_SEQUENCE, CACHE_HEADS, CACHE_KV)
 
-PARAM_AXES = (EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, NORM, LAYERS, EXP, EMBED_NO_EXP)
+PARAM_AXES = (EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, NORM, LAYERS, EXP, EMBED_NO_EXP, Q_LORA, KV_LORA)
 ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_HEAD_DIM, ACT_VOCAB) + CACHE_AXES
 
 # What a forward pass is for: training (logits only), prefill (logits and the prompt's keys and values for

@@ -26,7 +26,7 @@ import yaml
 
 from MaxText import checkpointing, cli, families, state, storage
 from MaxText.common_types import Config, ConfigError
-from MaxText.convert import get, param_path, put, staged
+from MaxText.convert import get, hf_families, put, staged
 from MaxText.convert.streaming import HFTensors, LazyArray, save_params
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers.linears import DTYPES
@@ -99,12 +99,13 @@ class Plan:
     for group in self.model_groups:
       yield group, None
     for i in range(self.config.num_decoder_layers):
-      for group in self.layer_groups:
+      for group in hf_families.layer_groups(self.layer_groups, i):
         yield group, i
 
   def our_shape(self, path: str, i: int | None) -> tuple[int, ...]:
-    shape = get(self.abstract, param_path(self.config, path, i)).shape
-    return shape[1:] if i is not None and self.config.scan_layers else shape
+    where, index = families.param_path(self.config, path, i)
+    shape = get(self.abstract, where).shape
+    return shape if index is None else shape[1:]
 
   def lazy_params(self, progress) -> dict:
     """Our params as a tree of LazyArrays (a scanned parameter gets one chunk per layer)."""
@@ -135,11 +136,11 @@ class Plan:
 
     for group, i in self.instances():
       for k, path in enumerate(group.ours):
-        where = param_path(self.config, path, i)
-        if i is not None and self.config.scan_layers:
-          if i == 0:
+        where, index = families.param_path(self.config, path, i)
+        if index is not None:
+          if index == 0:
             put(tree, where, LazyArray(get(self.abstract, where).shape, dtype, []))
-          get(tree, where).chunks.append(((i,), loader(group, i, k)))
+          get(tree, where).chunks.append(((index,), loader(group, i, k)))
         elif i is None and (blocks := row_blocks(group, path)):
           chunks = [(index, loader(group, i, k, rows, b == len(blocks) - 1)) for b, (index, rows) in enumerate(blocks)]
           put(tree, where, LazyArray(self.our_shape(path, i), dtype, chunks))

@@ -21,7 +21,7 @@ import numpy as np
 
 from MaxText import checkpointing, cli, families, state
 from MaxText.common_types import Config, ConfigError
-from MaxText.convert import get, hf_families, param_path, staged
+from MaxText.convert import get, hf_families, staged
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
@@ -32,11 +32,12 @@ def hf_tensors(config: Config, mapping: hf_families.HFMapping, params: dict):
   model_groups, layer_groups = mapping.layout(config)
 
   def leaf(path: str, i: int | None):
-    value = get(params, param_path(config, path, i))
-    return value[i] if i is not None and config.scan_layers else value
+    where, index = families.param_path(config, path, i)
+    value = get(params, where)
+    return value if index is None else value[index]
 
   instances = [(g, None) for g in model_groups]
-  instances += [(g, i) for i in range(config.num_decoder_layers) for g in layer_groups]
+  instances += [(g, i) for i in range(config.num_decoder_layers) for g in hf_families.layer_groups(layer_groups, i)]
   for group, i in instances:
     arrays = group.to_hf(*[leaf(p, i) for p in group.ours])
     for name, array in zip(group.hf, arrays, strict=True):

@@ -5,7 +5,8 @@
 
 writes {base_output_directory}/DECODE_RUN/checkpoints/0/items holding only `params` (no optimizer state),
 which decode.py and train.py read with load_parameters_path. The model keys must be those of the training
-run. force_unroll=true stores the layers unscanned (layers_0, layers_1, ...) for scan_layers=false
+run. force_unroll=true stores the layers unscanned (layers_0, layers_1, ...; DeepSeek's dense_layers_0, ...,
+moe_layers_0, ...) for scan_layers=false
 decoding. An existing checkpoint is never overwritten.
 """
 
@@ -16,17 +17,18 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 
-from MaxText import checkpointing, cli, sharding, storage
+from MaxText import checkpointing, cli, families, sharding, storage
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
 
 
-def unroll(params: dict, num_layers: int) -> dict:
-  """Scanned params (params["layers"], layers stacked on axis 0) -> unrolled ones (params["layers_<i>"])."""
-  out = {k: v for k, v in params.items() if k != "layers"}
-  for i in range(num_layers):
-    out[f"layers_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
+def unroll(params: dict, stacks: list[families.Stack]) -> dict:
+  """Scanned params (each stack's layers on axis 0 of params[stack.name]) -> unrolled ones (params[name_<j>])."""
+  out = {k: v for k, v in params.items() if k not in {stack.name for stack in stacks}}
+  for stack in stacks:
+    for j in range(stack.count):
+      out[f"{stack.name}_{j}"] = jax.tree_util.tree_map(lambda x, j=j: x[j], params[stack.name])
   return out
 
 
@@ -43,7 +45,7 @@ def generate(config: Config) -> str:
   if config.force_unroll and config.scan_layers:
     unrolled = config.replace(scan_layers=False)
     _, shardings = state_lib.params_layout(models.Transformer(unrolled, mesh), unrolled, mesh)
-    params = jax.jit(lambda p: unroll(p, config.num_decoder_layers), out_shardings=shardings)(params)
+    params = jax.jit(lambda p: unroll(p, families.layer_stacks(config)), out_shardings=shardings)(params)
 
   path = checkpointing.save_params(target, params)
   print(f"Wrote the params of {source} to {path}", flush=True)

@@ -78,6 +78,7 @@ def choices() -> dict[str, Collection[str]]:
     "dataset_type": input_pipeline.DATASET_TYPES,
     "profiler": metrics.PROFILERS,
     "decode_sampling_strategy": sampling.STRATEGIES,
+    "attention_type": ("global", "mla"),
   }
 
 
@@ -395,6 +396,23 @@ def _check_moe(values: Mapping) -> None:
       f"n_routing_groups={groups}, topk_routing_group={top_groups}: the groups must split num_experts={n} evenly into "
       f"groups of at least 2, with 1 <= topk_routing_group <= n_routing_groups holding num_experts_per_tok={k} experts"
     )
+  if values["routed_bias_update_rate"] < 0 or (values["routed_bias_update_rate"] > 0 and not values["routed_bias"]):
+    raise ConfigError(
+      f"routed_bias_update_rate={values['routed_bias_update_rate']} must be >= 0, and updates the bias of "
+      "routed_bias=true (sigmoid routing); set routed_bias=true or the rate to 0"
+    )
+  family = families.get(block)
+  first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
+  if first and family.dense_layer is None:
+    with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layer is not None)
+    raise ConfigError(
+      f"first_num_dense_layers={first}: decoder_block={block} has no dense layers; set it to 0 ({with_dense} has)"
+    )
+  if not 0 <= first <= layers:
+    raise ConfigError(f"first_num_dense_layers={first} must be in [0, base_num_decoder_layers={layers}]")
+  if (values["attention_type"] == "mla") != family.mla:
+    need = "mla" if family.mla else "global"
+    raise ConfigError(f"attention_type={values['attention_type']!r}: decoder_block={block} needs attention_type={need!r}")
   if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
     raise ConfigError(
       f"routed_scaling_factor={values['routed_scaling_factor']} must be positive, shared_experts="

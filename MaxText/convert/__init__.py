@@ -5,16 +5,6 @@ import contextlib
 import os
 import shutil
 
-from MaxText.common_types import Config
-
-
-def param_path(config: Config, path: str, layer: int | None) -> str:
-  """Dotted path of one of our parameters: `path` of the model, or of decoder layer `layer` (within the
-  stacked `layers` when scanned, where the layer is then an index into axis 0)."""
-  if layer is None:
-    return path
-  return f"layers.{path}" if config.scan_layers else f"layers_{layer}.{path}"
-
 
 def get(tree: dict, dotted: str):
   for key in dotted.split("."):

@@ -107,7 +107,14 @@ def _concatenate(arrays):
   return jnp.concatenate(arrays, axis=-1)
 
 
-Layout = tuple[list[Group], list[Group]]  # (model-level groups, per-layer groups)
+# (model-level groups, per-layer groups): the same groups for every layer, or a function of the layer index for a
+# family whose layers differ (DeepSeek's dense and MoE layers); it returns the same Group objects for layers alike.
+Layout = tuple[list[Group], list[Group] | Callable[[int], list[Group]]]
+
+
+def layer_groups(groups: list[Group] | Callable[[int], list[Group]], layer: int) -> list[Group]:
+  """The per-layer groups of a Layout for decoder layer `layer`."""
+  return groups(layer) if callable(groups) else groups
 
 
 def not_parameters(name: str, cfg: Config) -> bool:

@@ -37,6 +37,9 @@ CACHE_KV_AXES = (ct.LAYERS,) + ct.CACHE_AXES
 
 @struct.dataclass
 class Cache:
+  """MLA (attention_type=mla) caches its compressed latent as `keys`, [layers, batch, max_target_length, 1,
+  kv_lora_rank], and the shared RoPE key as `values`, [..., 1, qk_rope_head_dim] (layers/attention_mla.py)."""
+
   keys: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim], after RoPE
   values: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim]
   mask: jax.Array  # [batch, max_target_length] bool: the slots each row attends to
@@ -136,10 +139,10 @@ class Decoder:
     logits, (keys, values) = self._prefill_model.apply({"params": params}, tokens, segments, positions)
     last = logits[jnp.arange(batch), jnp.maximum(lengths - 1, 0)]
 
-    shape = (cfg.num_decoder_layers, batch, cfg.max_target_length, cfg.num_kv_heads, cfg.head_dim)
-
     def place(prompt_kv):  # the prompt's keys or values into slots [0, width) of an empty cache
-      return jax.lax.dynamic_update_slice(jnp.zeros(shape, prompt_kv.dtype), prompt_kv, (0, 0, 0, 0, 0))
+      layers, _, _, heads, dim = prompt_kv.shape
+      empty = jnp.zeros((layers, batch, cfg.max_target_length, heads, dim), prompt_kv.dtype)
+      return jax.lax.dynamic_update_slice(empty, prompt_kv, (0, 0, 0, 0, 0))
 
     mask = jnp.zeros((batch, cfg.max_target_length), bool).at[:, :width].set(segments.astype(bool))
     slot_positions = jnp.zeros((batch, cfg.max_target_length), jnp.int32).at[:, :width].set(positions)

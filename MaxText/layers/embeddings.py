@@ -101,14 +101,20 @@ def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
   return freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1.0) -> jax.Array:
+def apply_rope(
+  x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1.0, interleaved: bool = False
+) -> jax.Array:
   """Rotates x [batch, length, heads, head_dim] by positions [batch, length], times `scale` (rope_scale).
 
-  Pairs are (i, i + head_dim/2), the "rotate half" layout of Hugging Face's Llama, computed in float32.
+  Pairs are (i, i + head_dim/2), the "rotate half" layout of Hugging Face's Llama, computed in float32. With
+  `interleaved` (DeepSeek's layout, rope_interleave) the pairs are (2i, 2i + 1); the rotated pairs are then
+  returned in the rotate-half layout, as transformers' DeepSeek-V3 does. Queries and keys are permuted alike,
+  so their dot products are those of the interleaved rotation.
   """
   angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [batch, length, 1, head_dim/2]
   sin, cos = jnp.sin(angle), jnp.cos(angle)
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  x32 = x.astype(jnp.float32)
+  x1, x2 = (x32[..., 0::2], x32[..., 1::2]) if interleaved else jnp.split(x32, 2, axis=-1)
   if scale != 1.0:
     sin, cos = sin * scale, cos * scale
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

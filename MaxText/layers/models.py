@@ -116,31 +116,36 @@ class Transformer(nn.Module):
       x = x + Embed(cfg, cfg.trainable_position_size, name="position_embedder")(positions)
     x = sharding.constrain(x, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
 
-    block = family
-    if cfg.remat_policy != "none" and mode == ct.MODEL_MODE_TRAIN:
+    remat = cfg.remat_policy != "none" and mode == ct.MODEL_MODE_TRAIN
+    if remat:
       platform = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform
-      block = nn.remat(block, policy=remat_policy(cfg.remat_policy, platform), prevent_cse=not cfg.scan_layers)
+      policy = remat_policy(cfg.remat_policy, platform)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
-    if cfg.scan_layers:
-      scanned = nn.scan(
-        block,
-        variable_axes={"params": 0, "intermediates": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, 0),
-        length=cfg.num_decoder_layers,
-        metadata_params={nn.PARTITION_NAME: ct.LAYERS},
-      )
-      layers = scanned(cfg, self.mesh, deterministic, mode, name="layers")
-      index = jnp.arange(cfg.num_decoder_layers)
-      x, kv = layers(x, segment_ids, positions, cache, cache_mask, cache_positions, index)
-    else:
-      kvs = []
-      for i in range(cfg.num_decoder_layers):
-        layer_cache = None if cache is None else jax.tree_util.tree_map(lambda c, i=i: c[i], cache)
-        layer = block(cfg, self.mesh, deterministic, mode, name=f"layers_{i}")
-        x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask, cache_positions, i)
-        kvs.append(layer_kv)
-      kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *kvs)
+    kvs = []
+    for stack in families.layer_stacks(cfg):
+      block = nn.remat(stack.layer, policy=policy, prevent_cse=not cfg.scan_layers) if remat else stack.layer
+      end = stack.start + stack.count
+      stack_cache = None if cache is None else jax.tree_util.tree_map(lambda c, a=stack.start, z=end: c[a:z], cache)
+      if cfg.scan_layers:
+        scanned = nn.scan(
+          block,
+          variable_axes={"params": 0, "intermediates": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, 0),
+          length=stack.count,
+          metadata_params={nn.PARTITION_NAME: ct.LAYERS},
+        )
+        layers = scanned(cfg, self.mesh, deterministic, mode, name=stack.name)
+        index = jnp.arange(stack.start, end)
+        x, kv = layers(x, segment_ids, positions, stack_cache, cache_mask, cache_positions, index)
+        kvs.append(kv)
+      else:
+        for j in range(stack.count):
+          layer_cache = None if cache is None else jax.tree_util.tree_map(lambda c, j=j: c[j], stack_cache)
+          layer = block(cfg, self.mesh, deterministic, mode, name=f"{stack.name}_{j}")
+          x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask, cache_positions, stack.start + j)
+          kvs.append(None if layer_kv is None else jax.tree_util.tree_map(lambda a: a[None], layer_kv))
+    kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *kvs)
 
     x = family.norm(cfg, "decoder_norm")(x)
     if return_hidden:

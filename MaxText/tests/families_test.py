@@ -62,7 +62,7 @@ def test_an_unknown_family_is_refused_naming_the_registered_ones():
 
 def test_every_family_has_its_own_hugging_face_model_type():
   with_hf = [f for f in families.FAMILIES.values() if f.hf is not None]
-  assert len({f.hf.model_type for f in with_hf}) == len(with_hf) == 8
+  assert len({f.hf.model_type for f in with_hf}) == len(with_hf) == 9
   for family in with_hf:
     assert families.for_hf_config({"model_type": family.hf.model_type}) is family
 

@@ -69,6 +69,20 @@ def hf_model(family: str):
       moe_intermediate_size=40, norm_topk_prob=False,
     )  # fmt: skip
     return t.Qwen3MoeForCausalLM(cfg)
+  if family in ("deepseek", "deepseek_plain"):
+    # MLA over 1 dense then 2 MoE layers: 8 experts in 4 groups, top-2 from the best 2 groups, a shared expert.
+    # deepseek: compressed queries, interleaved RoPE, YaRN 4x over 16 positions with its softmax temperature
+    # (mscale 0.8); deepseek_plain: queries projected directly, rotate-half RoPE without scaling.
+    plain = family == "deepseek_plain"
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5000.0}
+    rope |= {"mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 8.0, "beta_slow": 2.0}
+    cfg = t.DeepseekV3Config(
+      **COMMON, num_attention_heads=3, num_key_value_heads=3, moe_intermediate_size=24, first_k_dense_replace=1,
+      n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+      q_lora_rank=None if plain else 20, kv_lora_rank=12, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14,
+      rope_interleave=not plain, rope_parameters={"rope_type": "default", "rope_theta": 5000.0} if plain else rope,
+    )  # fmt: skip
+    return t.DeepseekV3ForCausalLM(cfg)
   if family == "gpt2":  # 3 heads, learned positions, biases
     return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=96, n_embd=36, n_layer=3, n_head=3, n_positions=64))
   raise ValueError(family)
@@ -80,6 +94,9 @@ def save_random(family: str, folder: str, max_shard_size: str | None = None):
   with torch.no_grad():
     for p in model.parameters():  # norms and biases random too, so every tensor's mapping is tested
       p.normal_(0.0, 0.3)
+    for name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer
+      if name.endswith("e_score_correction_bias"):
+        b.normal_(0.0, 0.3)
   model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
@@ -145,12 +162,14 @@ def assert_close(ours, theirs, valid):
   assert err <= 1e-4, f"relative logit difference {err:.2e}"
 
 
-FAMILIES = ["llama", "mistral", "mixtral", "qwen3", "qwen3_yarn", "qwen3_moe", "gemma", "gemma2", "gpt2"]
+FAMILIES = [
+  "llama", "mistral", "mixtral", "qwen3", "qwen3_yarn", "qwen3_moe", "deepseek", "deepseek_plain", "gemma", "gemma2", "gpt2"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_matches_transformers_and_export_round_trips(family, tmp_path):
-  scan = "false" if family in ("qwen3", "qwen3_moe", "gpt2") else "true"  # both layouts are covered
+  scan = "false" if family in ("qwen3", "qwen3_moe", "deepseek_plain", "gpt2") else "true"  # both layouts are covered
   hf_dir = str(tmp_path / "hf")
   model = save_random(family, hf_dir, max_shard_size="40KB" if family == "llama" else None)  # llama: sharded
   ckpt = import_hf(hf_dir, str(tmp_path / "out"), scan)

@@ -274,6 +274,7 @@ PUBLISHED = {
   "mixtral-8x22b": ("141", "39"),  # mistral.ai/news/mixtral-8x22b
   "qwen3-30b-a3b": ("30.5", "3.3"),  # arXiv:2505.09388, table 2
   "qwen3-235b-a22b": ("235", "22"),
+  "deepseek3-671b": ("671", "37"),  # arXiv:2412.19437 (without the 14B multi-token-prediction module)
 }
 
 
@@ -282,7 +283,8 @@ def test_preset_parameter_counts_equal_the_published_ones_and_transformers(prese
   """Our parameters (abstract init) are within one unit of the published figures' last digit (authors round or
   truncate: Qwen3-30B-A3B's 3.35B active are "3.3B"), and equal exactly those of the transformers model built
   (on the meta device) from the config.json our exporter would write. Active: the total less the
-  num_experts - num_experts_per_tok experts each token skips, per layer."""
+  num_experts - num_experts_per_tok experts each token skips, per MoE layer. DeepSeek's routing bias is a
+  parameter of ours and a buffer of transformers'."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from MaxText import families
@@ -291,7 +293,8 @@ def test_preset_parameter_counts_equal_the_published_ones_and_transformers(prese
   cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
   shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
   total = metrics.count_params(nn.meta.unbox(shapes)["params"])
-  skipped = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.emb_dim * cfg.moe_mlp_dim * cfg.num_decoder_layers
+  moe_layers = cfg.num_decoder_layers - cfg.first_num_dense_layers
+  skipped = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.emb_dim * cfg.moe_mlp_dim * moe_layers
   for count, published in zip((total, total - skipped), PUBLISHED[preset], strict=True):
     unit = 10.0 ** -len(published.partition(".")[2])
     assert abs(count / 1e9 - float(published)) < unit, (preset, count, published)
@@ -300,7 +303,8 @@ def test_preset_parameter_counts_equal_the_published_ones_and_transformers(prese
   hf_cfg = transformers.CONFIG_MAPPING[hf_json["model_type"]](**hf_json)
   with torch.device("meta"):
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-  assert sum(p.numel() for p in hf.parameters()) == total
+  routing_bias = [b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias")]  # DeepSeek
+  assert sum(p.numel() for p in hf.parameters()) + sum(routing_bias) == total
 
 
 def test_sigmoid_group_routing_with_shared_experts_equals_transformers_deepseek_v3_moe():

@@ -1,0 +1,185 @@
+"""The deepseek family beyond its Hugging Face parity (hf_checkpoint_test): multi-head latent attention's
+compressed KV cache against the uncached forward, its dense and MoE layer stacks scanned and unrolled, sharded
+training, FLOPs and config errors. The family's preset sizes are checked in moe_test with the other MoE presets."""
+
+import jax
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from MaxText import metrics, sharding, train
+from MaxText.common_types import ConfigError
+from MaxText.inference import decoding
+from MaxText.layers import models
+from MaxText.tests.helpers import config
+
+TINY_DEEPSEEK = ("model_name=deepseek3-tiny", "max_target_length=32", "max_prefill_predict_length=16")
+
+
+def _init(cfg, seed=0):
+  model = models.Transformer(cfg)
+  params = nn.meta.unbox(model.init({"params": jax.random.key(seed)}, *models.init_inputs(1, cfg.max_target_length)))
+  params = params["params"]
+  # Nonzero routing biases, so the choice differs from the unbiased one in the comparisons below.
+  bias = params["moe_layers"]["mlp"]["gate_bias"]
+  params["moe_layers"]["mlp"]["gate_bias"] = jax.random.normal(jax.random.key(seed + 1), bias.shape) * 0.3
+  return params
+
+
+def test_decoding_from_the_latent_cache_equals_the_uncached_forward():
+  """Prefill then 8 teacher-forced steps: each step's logits equal the full forward's at that position (float32,
+  1e-5 of the largest logit), and the cache holds the compressed latent and the shared RoPE key per token and
+  layer, not every head's keys and values."""
+  cfg = config(*TINY_DEEPSEEK, "per_device_batch_size=2")
+  params = _init(cfg)
+  dec = decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:1]))
+  rng = np.random.default_rng(0)
+  full = rng.integers(1, cfg.vocab_size, (2, 24)).astype(np.int32)
+  lengths = np.array([16, 11], np.int32)
+  tokens = np.where(np.arange(16)[None] < lengths[:, None], full[:, :16], 0).astype(np.int32)
+  logits, cache = dec.prefill(params, tokens, lengths)
+  layers, batch, slots = cfg.num_decoder_layers, 2, cfg.max_target_length
+  assert cache.keys.shape == (layers, batch, slots, 1, cfg.kv_lora_rank)
+  assert cache.values.shape == (layers, batch, slots, 1, cfg.qk_rope_head_dim)
+
+  def forward(row):  # the uncached logits of one row's first n + 8 tokens
+    n = int(lengths[row])
+    seq = full[row, : n + 8][None]
+    ones = np.ones_like(seq)
+    positions = np.arange(seq.shape[1], dtype=np.int32)[None]
+    return np.asarray(models.Transformer(cfg).apply({"params": params}, seq, ones, positions))[0]
+
+  want = [forward(row) for row in range(2)]
+  got = [[np.asarray(logits[row])] for row in range(2)]
+  for i in range(8):
+    step_tokens = np.array([full[row, lengths[row] + i] for row in range(2)], np.int32)
+    logits, cache = dec.step(params, cache, step_tokens)
+    for row in range(2):
+      got[row].append(np.asarray(logits[row]))
+  for row in range(2):
+    n = int(lengths[row])
+    expected = want[row][n - 1 : n + 8]
+    np.testing.assert_allclose(np.stack(got[row]), expected, atol=1e-5 * np.abs(expected).max(), err_msg=f"row {row}")
+
+
+def _loss_and_grads(cfg, params, batch):
+  model = models.Transformer(cfg)
+  loss = lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+
+def _batch(cfg, rows=2, seed=1):
+  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (rows, cfg.max_target_length + 1)).astype(np.int32)
+  ones = np.ones((rows, cfg.max_target_length), np.int32)
+  positions = np.broadcast_to(np.arange(cfg.max_target_length, dtype=np.int32), ones.shape)
+  return {"inputs": tokens[:, :-1], "inputs_segmentation": ones, "inputs_position": positions, "targets": tokens[:, 1:],
+          "targets_segmentation": ones}  # fmt: skip
+
+
+def test_dense_and_moe_stacks_scanned_equal_unrolled():
+  """The scanned stacks `dense_layers` (1 layer) and `moe_layers` (2) give the loss (with the load-balancing
+  loss) and gradients of the unrolled dense_layers_0, moe_layers_0 and moe_layers_1."""
+  common = (*TINY_DEEPSEEK, "load_balance_loss_weight=0.1")
+  cfg = config(*common)
+  params = _init(cfg)
+  batch = _batch(cfg)
+  (loss, _), grads = _loss_and_grads(cfg, params, batch)
+  unrolled = {k: v for k, v in params.items() if not k.endswith("_layers")}
+  for stack in ("dense_layers", "moe_layers"):
+    count = jax.tree_util.tree_leaves(params[stack])[0].shape[0]
+    for j in range(count):
+      unrolled[f"{stack}_{j}"] = jax.tree_util.tree_map(lambda a, j=j: a[j], params[stack])
+  (loss_u, _), grads_u = _loss_and_grads(config(*common, "scan_layers=false"), unrolled, batch)
+  np.testing.assert_allclose(loss_u, loss, rtol=1e-6)
+  for stack in ("dense_layers", "moe_layers"):
+    for path, g in jax.tree_util.tree_leaves_with_path(grads[stack]):
+      for j in range(g.shape[0]):
+        gu = grads_u[f"{stack}_{j}"]
+        for key in path:
+          gu = gu[key.key]
+        np.testing.assert_allclose(g[j], gu, rtol=1e-4, atol=1e-6 * np.abs(gu).max(), err_msg=jax.tree_util.keystr(path))
+
+
+def test_sharded_training_equals_one_device():
+  """expert 2 x fsdp 2 x tensor 2 on 8 devices (MLA's heads over tensor, its compressed ranks over fsdp) trains
+  3 steps to the losses of one device."""
+  common = (*TINY_DEEPSEEK, "steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "load_balance_loss_weight=0.01")
+  one = config(*common, "per_device_batch_size=8")
+  eight = config(*common, "per_device_batch_size=1", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+                 "ici_tensor_parallelism=2", num_devices=8)  # fmt: skip
+  want = [loss for _, loss in train.train(one, jax.devices()[:1]).losses]
+  got = [loss for _, loss in train.train(eight, jax.devices()[:8]).losses]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora", ["32", "0"])
+def test_weight_flops_are_six_per_active_matmul_parameter(q_lora):
+  """The model FLOPs of the weights are 6 per token per parameter a token's matmuls use: all but the embedding
+  table, the norms, the routing bias and the experts it is not routed to (counted from the initialised model)."""
+  cfg = config(*TINY_DEEPSEEK, "override_model_config=true", f"q_lora_rank={q_lora}", "per_device_batch_size=2")
+  params = _init(cfg)
+  moe_layers = cfg.num_decoder_layers - cfg.first_num_dense_layers
+  flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  unused = [k for k in flat if "token_embedder" in k or "scale" in k or "gate_bias" in k]
+  skipped = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.emb_dim * cfg.moe_mlp_dim * moe_layers
+  active = sum(x.size for k, x in flat.items() if k not in unused) - skipped
+  tokens = cfg.per_device_batch_size * cfg.max_target_length
+  assert metrics.training_flops_per_device(cfg).weights == 6 * tokens * active
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (("attention_type=global",), "decoder_block=deepseek needs attention_type='mla'"),
+    (("model_name=tiny", "attention_type=mla"), "decoder_block=llama2 needs attention_type='global'"),
+    (("model_name=tiny", "first_num_dense_layers=1"), "decoder_block=llama2 has no dense layers"),
+    (("first_num_dense_layers=4",), "first_num_dense_layers=4 must be in [0, base_num_decoder_layers=3]"),
+    (("qk_rope_head_dim=7",), "qk_rope_head_dim=7 is odd"),
+    (("kv_lora_rank=0",), "kv_lora_rank=0 must be positive"),
+    (("routed_bias=false", "routed_bias_update_rate=0.001"), "routed_bias_update_rate=0.001"),
+  ],
+)
+def test_deepseek_mistakes_are_config_errors(args, message):
+  with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    config(*TINY_DEEPSEEK, "override_model_config=true", *args)
+
+
+def test_the_softmax_scale_follows_yarn_and_max_position_embeddings():
+  """DeepSeek's softmax scale: 1/sqrt(qk head dim) times (0.1 * mscale * ln(rope_factor) + 1)^2, only when the
+  context was extended beyond original_max_position_embeddings."""
+  from MaxText.layers.attention_mla import softmax_scale
+
+  cfg = config(*TINY_DEEPSEEK, "override_model_config=true", "mscale=0.7")
+  want = 24**-0.5 * (0.1 * 0.7 * np.log(40.0) + 1.0) ** 2
+  assert softmax_scale(cfg) == pytest.approx(want, rel=1e-12)
+  short = config(*TINY_DEEPSEEK, "override_model_config=true", "max_position_embeddings=4096")
+  assert softmax_scale(short) == pytest.approx(24**-0.5, rel=1e-12)
+
+
+def test_train_decode_and_unrolled_params_only_checkpoint_from_the_command_line(tmp_path, capsys):
+  """train.py (expert 2 x fsdp 4 on 8 devices) -> decode.py; generate_param_only_checkpoint.py force_unroll=true
+  (dense_layers_0, moe_layers_0, moe_layers_1) -> decode.py with scan_layers=false decodes the same text."""
+  from MaxText import decode, generate_param_only_checkpoint, train_tokenizer
+  from MaxText.tests.helpers import BASE_YML, overrides
+
+  texts = [f"The {w} of the {v} is {n} and the {v} of the {w} is {n + 1}." for n in range(60) for w, v in [("sun", "sea")]]
+  train_tokenizer.train(texts * 5, vocab_size=300, output=str(tmp_path / "tok.model"))
+  common = (*TINY_DEEPSEEK, "override_model_config=true", "vocab_size=512", f"base_output_directory={tmp_path}",
+            f"tokenizer_path={tmp_path}/tok.model", "per_device_batch_size=1")  # fmt: skip
+  cfg = config(*common, "run_name=run", "steps=2", "enable_checkpointing=true", "async_checkpointing=false",
+               "ici_expert_parallelism=2", "ici_fsdp_parallelism=4", num_devices=8)  # fmt: skip
+  train.train(cfg)
+
+  def run(main, *args):
+    code = main(["prog", BASE_YML, *overrides(*common, *args)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+  out = run(decode.main, "run_name=run", "prompt=The sun")
+  line = next(x for x in out.splitlines() if x.startswith("Input `The sun` -> `"))
+  source = f"load_full_state_path={tmp_path}/run/checkpoints/2/items"
+  run(generate_param_only_checkpoint.main, "run_name=params", source, "force_unroll=true")
+  params_only = f"load_parameters_path={tmp_path}/params/checkpoints/0/items"
+  out = run(decode.main, "run_name=other", params_only, "scan_layers=false", "prompt=The sun")
+  assert line in out.splitlines()
