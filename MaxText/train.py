@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from flax import traverse_util  # noqa: E402
 
 from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, sharding, storage  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
@@ -37,8 +38,9 @@ from MaxText.layers import models  # noqa: E402
 # ---------------------------------------------------------------------------------------------- the math
 def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   """Summed float32 loss over non-padding targets, and aux: {"tokens": their number, "xent": the summed
-  cross-entropy, and for mixture-of-experts models "moe_lb_loss": the summed load-balancing loss, and with
-  capacity_factor > 0 "moe_dropped": the assignments the experts' capacity dropped}.
+  cross-entropy, and for mixture-of-experts models "moe_lb_loss": the summed load-balancing loss, with
+  capacity_factor > 0 "moe_dropped": the assignments the experts' capacity dropped, and with
+  routed_bias_update_rate > 0 "moe_expert_counts": each MoE block's assignments per expert (_expert_counts)}.
 
   batch: inputs, inputs_segmentation, inputs_position, targets, targets_segmentation [batch, length].
   Returning sums (not means) lets micro-batches add up to exactly the full batch's loss.
@@ -68,8 +70,30 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
     aux["moe_lb_loss"] = config.load_balance_loss_weight * lb_loss * tokens.astype(jnp.float32)
     if config.capacity_factor > 0:
       aux["moe_dropped"] = sum(jnp.sum(v) for v in _sown(sown, "moe_dropped"))
+    if config.routed_bias and config.routed_bias_update_rate > 0:
+      aux["moe_expert_counts"] = _expert_counts(sown)
     return xent + aux["moe_lb_loss"], aux
   return xent, aux
+
+
+def _expert_counts(sown: dict) -> dict[tuple[str, ...], jax.Array]:
+  """{path of an MoE block in the params: its assignments per expert, [experts] or [layers, experts] when
+  scanned}, from what the blocks sowed."""
+  flat = traverse_util.flatten_dict(sown["intermediates"])
+  return {path[:-1]: value[0] for path, value in flat.items() if path[-1] == "moe_expert_counts"}
+
+
+def update_routing_bias(params: dict, counts: dict[tuple[str, ...], jax.Array], rate: float) -> dict:
+  """DeepSeek-V3's auxiliary-loss-free balancing (arXiv:2412.19437, sec. 2.1.2), after the optimizer's update:
+  each MoE block's routing bias moves by `rate` towards balance, + for an expert with fewer assignments than the
+  mean over its experts this step, - for one with more (rate * sign(mean - count), as MaxText and Megatron-LM)."""
+  flat = dict(traverse_util.flatten_dict(params))
+  for path, count in counts.items():
+    count = count.astype(jnp.float32)
+    step = rate * jnp.sign(jnp.mean(count, axis=-1, keepdims=True) - count)
+    bias = flat[(*path, "gate_bias")]
+    flat[(*path, "gate_bias")] = (bias + step).astype(bias.dtype)
+  return traverse_util.unflatten_dict(flat)
 
 
 def _sown(sown: dict, name: str) -> list[jax.Array]:
@@ -167,7 +191,10 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   denominator = jnp.maximum(num_tokens, 1).astype(jnp.float32)
   grads = jax.tree_util.tree_map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+  params = optax.apply_updates(state.params, updates)
+  if "moe_expert_counts" in aux:  # summed over the micro-batches: the step's whole batch
+    params = update_routing_bias(params, aux["moe_expert_counts"], config.routed_bias_update_rate)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   step_metrics = {
     "learning/loss": loss_sum / denominator,
     "learning/grad_norm": optax.tree.norm(grads),

@@ -3,11 +3,13 @@ compressed KV cache against the uncached forward, its dense and MoE layer stacks
 training, FLOPs and config errors. The family's preset sizes are checked in moe_test with the other MoE presets."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
 
-from MaxText import metrics, sharding, train
+from MaxText import metrics, optimizers, sharding, train
+from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.inference import decoding
 from MaxText.layers import models
@@ -183,3 +185,53 @@ def test_train_decode_and_unrolled_params_only_checkpoint_from_the_command_line(
   params_only = f"load_parameters_path={tmp_path}/params/checkpoints/0/items"
   out = run(decode.main, "run_name=other", params_only, "scan_layers=false", "prompt=The sun")
   assert line in out.splitlines()
+
+
+def test_the_block_counts_the_assignments_the_router_makes():
+  """The counts the bias update balances: per expert, the tokens routed to it, equal to a NumPy top-k of the
+  sigmoid scores plus the bias (no expert groups here)."""
+  from MaxText.layers import moe
+
+  cfg = config(*TINY_DEEPSEEK, "override_model_config=true", "routed_bias_update_rate=0.01", "n_routing_groups=-1",
+               "topk_routing_group=-1")  # fmt: skip
+  block = moe.MoeBlock(cfg, renormalize=True)
+  x = jax.random.normal(jax.random.key(3), (2, 32, cfg.emb_dim))
+  params = nn.meta.unbox(block.init(jax.random.key(4), x))["params"]
+  params["gate_bias"] = jax.random.normal(jax.random.key(5), (cfg.num_experts,)) * 0.5
+  _, sown = block.apply({"params": params}, x, mutable=["intermediates"])
+  logits = np.asarray(x, np.float64).reshape(-1, cfg.emb_dim) @ np.asarray(params["gate"]["kernel"], np.float64)
+  choice = 1 / (1 + np.exp(-logits)) + np.asarray(params["gate_bias"], np.float64)
+  chosen = np.argsort(-choice, axis=-1)[:, : cfg.num_experts_per_tok]
+  want = np.bincount(chosen.ravel(), minlength=cfg.num_experts)
+  np.testing.assert_array_equal(sown["intermediates"]["moe_expert_counts"][0], want)
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_a_training_step_moves_each_routing_bias_towards_balance(scan):
+  """After one step (learning rate 0, so only the bias moves), each MoE layer's bias is its old value plus
+  rate * sign(mean count - count) of that layer's assignment counts over the step's batch (float64 NumPy from
+  the counts of a forward pass on the same batch); with 2 micro-batches of gradient accumulation the same."""
+  rate = 0.01
+  common = (*TINY_DEEPSEEK, "override_model_config=true", f"routed_bias_update_rate={rate}", f"scan_layers={scan}",
+            "learning_rate=0", "per_device_batch_size=4")  # fmt: skip
+  cfg = config(*common)
+  model = models.Transformer(cfg)
+  params = nn.meta.unbox(model.init({"params": jax.random.key(0)}, *models.init_inputs(1, cfg.max_target_length)))
+  params = params["params"]
+  batch = _batch(cfg, rows=4)
+  _, sown = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
+                        mutable=["intermediates"])  # fmt: skip
+  stacks = ["moe_layers"] if scan == "true" else ["moe_layers_0", "moe_layers_1"]
+  for k in (1, 2):
+    step_cfg = config(*common, f"gradient_accumulation_steps={k}", f"per_device_batch_size={4 // k}")
+    schedule = optimizers.learning_rate_schedule(step_cfg)
+    tx = optimizers.create_optimizer(step_cfg, schedule)
+    state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    new_state, _ = jax.jit(lambda s, b: train.train_step(model, step_cfg, tx, schedule, s, b))(state, batch)
+    for stack in stacks:
+      counts = np.asarray(sown["intermediates"][stack]["mlp"]["moe_expert_counts"][0], np.float64)
+      want = np.asarray(params[stack]["mlp"]["gate_bias"], np.float64)
+      want = want + rate * np.sign(counts.mean(axis=-1, keepdims=True) - counts)
+      got = new_state.params[stack]["mlp"]["gate_bias"]
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-7, err_msg=f"{stack}, {k} micro-batches")
+      assert np.any(counts != counts.mean(axis=-1, keepdims=True))  # the routing is not balanced already
