@@ -89,8 +89,8 @@ def update_routing_bias(params: dict, counts: dict[tuple[str, ...], jax.Array], 
   mean over its experts this step, - for one with more (rate * sign(mean - count), as MaxText and Megatron-LM)."""
   flat = dict(traverse_util.flatten_dict(params))
   for path, count in counts.items():
-    count = count.astype(jnp.float32)
-    step = rate * jnp.sign(jnp.mean(count, axis=-1, keepdims=True) - count)
+    load = count.astype(jnp.float32)
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
     bias = flat[(*path, "gate_bias")]
     flat[(*path, "gate_bias")] = (bias + step).astype(bias.dtype)
   return traverse_util.unflatten_dict(flat)
