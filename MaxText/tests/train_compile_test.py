@@ -307,6 +307,22 @@ def test_a_tiny_mixture_of_experts_compiles_with_expert_parallelism(megablox):
   assert bool(re.search(r"\bt?gmm\b", compiled.as_text())) == (megablox == "true")
 
 
+@needs_libtpu
+def test_a_small_deepseek_compiles_with_splash_attention_megablox_and_expert_parallelism():
+  """DeepSeek-V3's shapes per head (192-wide query and key, 128-wide values: padded to one head_dim for the
+  kernel) at a small width, expert 2 x fsdp 2: MLA runs splash attention (a TPU custom call), the experts megablox
+  and all-to-all, with the routing bias update on."""
+  dims = ("model_name=deepseek3-tiny", "override_model_config=true", "base_emb_dim=256", "base_mlp_dim=512",
+          "base_moe_mlp_dim=256", "base_num_query_heads=2", "base_num_kv_heads=2", "q_lora_rank=128",
+          "kv_lora_rank=128", "qk_nope_head_dim=128", "qk_rope_head_dim=64", "v_head_dim=128", "num_experts=4",
+          "n_routing_groups=2", "topk_routing_group=1", "routed_bias_update_rate=0.001")  # fmt: skip
+  mesh_keys = ("ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "attention=flash", "max_target_length=512")
+  compiled, report, mesh = train_compile.compile_train_step(_tpu_config(*dims, *mesh_keys))
+  text = compiled.as_text()
+  assert report.fits and report.collectives["all-to-all"] > 0
+  assert "tpu_custom_call" in text and re.search(r"\bt?gmm\b", text)
+
+
 @pytest.mark.slow
 @needs_libtpu
 def test_mixtral_8x7b_fits_a_v5p_64_with_expert_parallelism(capsys):
