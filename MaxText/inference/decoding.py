@@ -33,6 +33,7 @@ from MaxText.layers.linears import DTYPES
 
 MIN_BUCKET = 16
 CACHE_KV_AXES = (ct.LAYERS,) + ct.CACHE_AXES
+LATENT_CACHE_KV_AXES = (ct.LAYERS,) + ct.LATENT_CACHE_AXES  # attention_type=mla
 
 
 @struct.dataclass
@@ -105,7 +106,8 @@ class Decoder:
     self.num_generated = cfg.max_target_length - cfg.max_prefill_predict_length
     self._prefill_model = models.Transformer(cfg, self.mesh, ct.MODEL_MODE_PREFILL)
     self._step_model = models.Transformer(cfg, self.mesh, ct.MODEL_MODE_AUTOREGRESSIVE)
-    kv = sharding.logical_sharding(CACHE_KV_AXES, self.mesh, cfg)
+    kv_axes = LATENT_CACHE_KV_AXES if cfg.attention_type == "mla" else CACHE_KV_AXES
+    kv = sharding.logical_sharding(kv_axes, self.mesh, cfg)
     rows = sharding.logical_sharding((ct.CACHE_BATCH,), self.mesh, cfg)
     self.cache_shardings = Cache(
       keys=kv,

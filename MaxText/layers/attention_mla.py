@@ -104,7 +104,7 @@ class MLA(nn.Module):
     if self.model_mode == ct.MODEL_MODE_AUTOREGRESSIVE:
       w, _ = wkv_b(latent, weights_only=True)  # [rank, heads, nope + v_dim] in the activation dtype
       q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w[..., :nope], precision=precision)
-      cache_latent, cache_pe = (sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
+      cache_latent, cache_pe = (sharding.constrain(c, ct.LATENT_CACHE_AXES, self.mesh, cfg) for c in cache)
       ctx = latent_cached_attention(q_latent, q_pe, latent, k_pe, cache_latent, cache_pe, cache_mask, precision)
       out = jnp.einsum("bthr,rhv->bthv", ctx, w[..., nope:], precision=precision)
     else:
