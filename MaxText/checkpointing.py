@@ -285,7 +285,8 @@ def check_compatible(path: str, target) -> None:
 def _layer_layout_mismatch(path: str, missing: str, stored) -> str | None:
   """The message for a checkpoint whose decoder layers are stacked (scan_layers=true: params.layers) while the
   config wants them one by one (params.layers_0, ...), or the reverse; None if that is not why `missing` is."""
-  scanned, unrolled = re.compile(r"(^|\.)layers\."), re.compile(r"(^|\.)layers_\d+\.")
+  # A layer stack's name is `layers`, or DeepSeek's dense_layers / moe_layers (families.layer_stacks).
+  scanned, unrolled = re.compile(r"(^|\.)(\w+_)?layers\."), re.compile(r"(^|\.)(\w+_)?layers_\d+\.")
   if scanned.search(missing) and any(unrolled.search(name) for name in stored):
     return (
       f"checkpoint {path} stores the decoder layers one by one (params.layers_0, ...) but scan_layers=true needs "

@@ -218,6 +218,14 @@ def _deepseek_check(values: Mapping[str, Any]) -> None:
       raise ConfigError(f"{key}={values[key]} must be positive for multi-head latent attention")
   if values["q_lora_rank"] < 0:
     raise ConfigError(f"q_lora_rank={values['q_lora_rank']} must be >= 0 (0: queries projected directly)")
+  # What Attention honours and MLA does not have: refused rather than ignored.
+  unused = {"sliding_window_size": 0, "attn_logits_soft_cap": 0.0, "query_pre_attn_scalar": 0.0, "fused_qkv": False}
+  unused["rope_attention_scaling"] = False  # MLA puts YaRN's temperature on the softmax scale instead
+  for key, off in unused.items():
+    if values[key] != off:
+      raise ConfigError(
+        f"{key}={values[key]} has no effect with attention_type=mla (decoder_block=deepseek); set it to {off}"
+      )
 
 
 def _deepseek_rope_read(config_json: Mapping) -> dict:
@@ -257,6 +265,12 @@ def _deepseek_rope_read(config_json: Mapping) -> dict:
 
 
 def _deepseek_read(config_json: Mapping) -> dict:
+  if config_json.get("quantization_config"):
+    method = config_json["quantization_config"].get("quant_method", "?")
+    raise hf_families.unsupported(
+      f"quantization_config ({method}) is not supported: the weights are quantized (DeepSeek-V3's release is fp8); "
+      "dequantize them to bfloat16 first"
+    )
   if config_json.get("attention_bias"):
     raise hf_families.unsupported("attention_bias=true is not supported for deepseek")
   if config_json.get("hidden_act", "silu") != "silu" or config_json.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -531,7 +545,7 @@ FAMILIES: dict[str, Family] = {
     Family("gemma2", Gemma2DecoderLayer, GEMMA2_HF),
     Family("qwen3", Qwen3DecoderLayer, QWEN3_HF),
     Family("qwen3_moe", Qwen3MoeDecoderLayer, QWEN3_MOE_HF, moe=True),
-    # DeepSeek-V3 (and models of its architecture, e.g. Kimi K2): MLA, first_num_dense_layers dense layers.
+    # DeepSeek-V3 (and models of its architecture): MLA, first_num_dense_layers dense layers, then MoE layers.
     Family(
       "deepseek", DeepSeekMoeLayer, DEEPSEEK_HF, check=_deepseek_check, moe=True, dense_layer=DeepSeekDenseLayer, mla=True
     ),

@@ -283,6 +283,7 @@ def _validate(values: Mapping) -> None:
   _check_training(values)
   _check_axis_rules(values)
   _check_attention(values)
+  _check_layers(values)
   _check_moe(values)
   families.get(values["decoder_block"]).check(values)
 
@@ -364,6 +365,27 @@ def _check_training(values: Mapping) -> None:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 
 
+def _check_layers(values: Mapping) -> None:
+  """The family's layer kinds: its attention (attention_type; MaxText's key, which the family decides) and how
+  many dense layers come before its MoE layers."""
+  block = values["decoder_block"]
+  family = families.get(block)
+  if (values["attention_type"] == "mla") != family.mla:
+    need = "mla" if family.mla else "global"
+    raise ConfigError(f"attention_type={values['attention_type']!r}: decoder_block={block} needs attention_type={need!r}")
+  first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
+  if first and family.dense_layer is None:
+    with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layer is not None)
+    raise ConfigError(
+      f"first_num_dense_layers={first}: decoder_block={block} has no dense layers; set it to 0 ({with_dense} has)"
+    )
+  if not 0 <= first < layers:
+    raise ConfigError(
+      f"first_num_dense_layers={first} must be in [0, base_num_decoder_layers={layers}): a mixture-of-experts "
+      "family needs at least one MoE layer"
+    )
+
+
 def _check_moe(values: Mapping) -> None:
   """A mixture-of-experts family needs experts to route to; a dense one has none."""
   n, k, block = values["num_experts"], values["num_experts_per_tok"], values["decoder_block"]
@@ -401,18 +423,6 @@ def _check_moe(values: Mapping) -> None:
       f"routed_bias_update_rate={values['routed_bias_update_rate']} must be >= 0, and updates the bias of "
       "routed_bias=true (sigmoid routing); set routed_bias=true or the rate to 0"
     )
-  family = families.get(block)
-  first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
-  if first and family.dense_layer is None:
-    with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layer is not None)
-    raise ConfigError(
-      f"first_num_dense_layers={first}: decoder_block={block} has no dense layers; set it to 0 ({with_dense} has)"
-    )
-  if not 0 <= first <= layers:
-    raise ConfigError(f"first_num_dense_layers={first} must be in [0, base_num_decoder_layers={layers}]")
-  if (values["attention_type"] == "mla") != family.mla:
-    need = "mla" if family.mla else "global"
-    raise ConfigError(f"attention_type={values['attention_type']!r}: decoder_block={block} needs attention_type={need!r}")
   if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
     raise ConfigError(
       f"routed_scaling_factor={values['routed_scaling_factor']} must be positive, shared_experts="
@@ -429,7 +439,10 @@ def _check_attention(values: Mapping) -> None:
       raise ConfigError(
         f"attention={name} is cuDNN fused attention, for NVIDIA GPUs; set hardware=gpu, or use attention=flash"
       )
-    shape = (1, values["max_target_length"], values["base_num_query_heads"], values["head_dim"])
+    head_dim = values["head_dim"]
+    if values["attention_type"] == "mla":  # the width MLA gives the kernel (attention_mla.py pads to it)
+      head_dim = max(values["qk_nope_head_dim"] + values["qk_rope_head_dim"], values["v_head_dim"])
+    shape = (1, values["max_target_length"], values["base_num_query_heads"], head_dim)
     window, cap = values["sliding_window_size"], values["attn_logits_soft_cap"]
     reason = attention_kernels.cudnn_unsupported_reason(settings, shape, linears.DTYPES[values["dtype"]], window, cap)
     if reason:
@@ -588,6 +601,10 @@ def _check_shards(values: Mapping, d: Mapping) -> None:
   )
   if values["num_experts"] > 1:
     dims += (("moe_mlp_dim", d["moe_mlp_dim"], "mlp"), ("num_experts", values["num_experts"], "exp"))
+  if values["attention_type"] == "mla":
+    dims += (("kv_lora_rank", values["kv_lora_rank"], "kv_lora"),)
+    if values["q_lora_rank"] > 0:
+      dims += (("q_lora_rank", values["q_lora_rank"], "q_lora"),)
   for key, size, logical in dims:
     shards, axes = _shards(values, d, logical)
     if size % shards:

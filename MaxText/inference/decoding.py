@@ -41,8 +41,8 @@ class Cache:
   """MLA (attention_type=mla) caches its compressed latent as `keys`, [layers, batch, max_target_length, 1,
   kv_lora_rank], and the shared RoPE key as `values`, [..., 1, qk_rope_head_dim] (layers/attention_mla.py)."""
 
-  keys: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim], after RoPE
-  values: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim]
+  keys: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim], after RoPE (MLA: [..., 1, kv_lora_rank])
+  values: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim] (MLA: [..., 1, qk_rope_head_dim])
   mask: jax.Array  # [batch, max_target_length] bool: the slots each row attends to
   slot_positions: jax.Array  # [batch, max_target_length] int32: the token position held in each slot
   positions: jax.Array  # [batch] int32: position of each row's next token

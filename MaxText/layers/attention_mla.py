@@ -40,7 +40,7 @@ def _pad_last(x: jax.Array, size: int) -> jax.Array:
   return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def latent_cached_attention(q_latent, q_pe, latent, k_pe, cache_latent, cache_pe, cache_mask, precision):
+def latent_cached_attention(q_latent, q_pe, latent, k_pe, *, cache_latent, cache_pe, cache_mask, precision):
   """One new token per row attending to the latent cache and to itself; returns the weighted latent.
 
   q_latent [batch, 1, heads, kv_lora_rank] (the query's no-RoPE part times W_k^T) and q_pe [batch, 1, heads,
@@ -105,7 +105,16 @@ class MLA(nn.Module):
       w, _ = wkv_b(latent, weights_only=True)  # [rank, heads, nope + v_dim] in the activation dtype
       q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w[..., :nope], precision=precision)
       cache_latent, cache_pe = (sharding.constrain(c, ct.LATENT_CACHE_AXES, self.mesh, cfg) for c in cache)
-      ctx = latent_cached_attention(q_latent, q_pe, latent, k_pe, cache_latent, cache_pe, cache_mask, precision)
+      ctx = latent_cached_attention(
+        q_latent,
+        q_pe,
+        latent,
+        k_pe,
+        cache_latent=cache_latent,
+        cache_pe=cache_pe,
+        cache_mask=cache_mask,
+        precision=precision,
+      )
       out = jnp.einsum("bthr,rhv->bthv", ctx, w[..., nope:], precision=precision)
     else:
       kv_heads = wkv_b(latent[:, :, 0])  # [batch, length, heads, nope + v_dim]

@@ -86,7 +86,8 @@ class Transformer(nn.Module):
   is (keys, values) [layers, batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len]
   marking each row's filled slots and `cache_positions` [batch, cache_len] their token positions, and kv
   is the new token's (keys, values), [layers, batch, 1, kv_heads, head_dim], for the caller to write into
-  the cache.
+  the cache. With multi-head latent attention (attention_type=mla) the pair is (latent, k_pe) instead, [...,
+  1, kv_lora_rank] and [..., 1, qk_rope_head_dim] (layers/attention_mla.py).
   """
 
   config: Config

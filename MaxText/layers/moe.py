@@ -143,7 +143,7 @@ class MoeBlock(nn.Module):
     weights_TK = weights_TK * cfg.routed_scaling_factor
     self.sow("intermediates", "moe_lb_loss", load_balance_loss(experts_TK.reshape(b, s, k), probs_TN.reshape(b, s, n), n))
     if cfg.routed_bias and cfg.routed_bias_update_rate > 0:  # the loads the bias update balances (train.py)
-      self.sow("intermediates", "moe_expert_counts", jnp.sum(jax.nn.one_hot(experts_TK, n, dtype=jnp.int32), axis=(0, 1)))
+      self.sow("intermediates", "moe_expert_counts", jnp.zeros((n,), jnp.int32).at[experts_TK.ravel()].add(1))
 
     wi = [
       self.expert_kernel(f"wi_{i}", (n, e, m), (ct.EXP, ct.EMBED_NO_EXP, ct.MLP)) for i in range(len(cfg.mlp_activations))

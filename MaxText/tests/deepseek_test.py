@@ -2,6 +2,8 @@
 compressed KV cache against the uncached forward, its dense and MoE layer stacks scanned and unrolled, sharded
 training, FLOPs and config errors. The family's preset sizes are checked in moe_test with the other MoE presets."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,15 +137,29 @@ def test_weight_flops_are_six_per_active_matmul_parameter(q_lora):
     (("attention_type=global",), "decoder_block=deepseek needs attention_type='mla'"),
     (("model_name=tiny", "attention_type=mla"), "decoder_block=llama2 needs attention_type='global'"),
     (("model_name=tiny", "first_num_dense_layers=1"), "decoder_block=llama2 has no dense layers"),
-    (("first_num_dense_layers=4",), "first_num_dense_layers=4 must be in [0, base_num_decoder_layers=3]"),
+    (("first_num_dense_layers=4",), "first_num_dense_layers=4 must be in [0, base_num_decoder_layers=3)"),
+    (("first_num_dense_layers=3",), "needs at least one MoE layer"),
+    (("sliding_window_size=8",), "sliding_window_size=8 has no effect with attention_type=mla"),
+    (("fused_qkv=true",), "fused_qkv=True has no effect with attention_type=mla"),
+    (("attn_logits_soft_cap=30",), "attn_logits_soft_cap=30.0 has no effect"),
+    (("rope_attention_scaling=true",), "rope_attention_scaling=True has no effect"),
+    (("ici_fsdp_parallelism=32", "kv_lora_rank=16"), "kv_lora_rank=16 does not split over the 32 shards"),
     (("qk_rope_head_dim=7",), "qk_rope_head_dim=7 is odd"),
     (("kv_lora_rank=0",), "kv_lora_rank=0 must be positive"),
     (("routed_bias=false", "routed_bias_update_rate=0.001"), "routed_bias_update_rate=0.001"),
   ],
 )
 def test_deepseek_mistakes_are_config_errors(args, message):
-  with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-    config(*TINY_DEEPSEEK, "override_model_config=true", *args)
+  devices = 32 if "ici_fsdp_parallelism=32" in args else 1
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    config(*TINY_DEEPSEEK, "override_model_config=true", *args, num_devices=devices)
+
+
+def test_a_quantized_checkpoint_is_refused_with_what_to_do():
+  from MaxText import families
+
+  with pytest.raises(ConfigError, match="quantization_config \\(fp8\\) is not supported.*dequantize them to bfloat16"):
+    families.model_keys_from_hf({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}})
 
 
 def test_the_softmax_scale_follows_yarn_and_max_position_embeddings():
@@ -158,6 +174,7 @@ def test_the_softmax_scale_follows_yarn_and_max_position_embeddings():
   assert softmax_scale(short) == pytest.approx(24**-0.5, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_train_decode_and_unrolled_params_only_checkpoint_from_the_command_line(tmp_path, capsys):
   """train.py (expert 2 x fsdp 4 on 8 devices) -> decode.py; generate_param_only_checkpoint.py force_unroll=true
   (dense_layers_0, moe_layers_0, moe_layers_1) -> decode.py with scan_layers=false decodes the same text."""
@@ -261,3 +278,21 @@ def test_sharded_decode_equals_single_device():
   )
   out1, out8 = dec1.decode(params, prompts), dec8.decode(params8, prompts)
   assert all(np.array_equal(x, y) for x, y in zip(out1, out8, strict=True))
+
+
+def test_a_scan_layers_mismatch_names_the_layout_for_the_dense_and_moe_stacks(tmp_path):
+  """A params-only checkpoint of unrolled layers (dense_layers_0, moe_layers_0, ...) checked against the scanned
+  stacks (dense_layers, moe_layers), and the reverse: the one-line scan_layers message, not a missing tensor."""
+  from MaxText import checkpointing
+
+  def abstract(scan):
+    cfg = config(*TINY_DEEPSEEK, f"scan_layers={scan}")
+    shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 32)))
+    return nn.meta.unbox(shapes)["params"]
+
+  for saved, wanted, says in (("false", "true", "scan_layers=true needs them stacked"),
+                              ("true", "false", "scan_layers=false needs them one by one")):  # fmt: skip
+    zeros = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), abstract(saved))
+    path = checkpointing.save_params(str(tmp_path / f"scan_{saved}"), zeros)
+    with pytest.raises(ConfigError, match=says):
+      checkpointing.check_compatible(path, {"params": abstract(wanted)})
