@@ -79,7 +79,7 @@ def hf_model(family: str):
     cfg = t.DeepseekV3Config(
       **COMMON, num_attention_heads=3, num_key_value_heads=3, moe_intermediate_size=24, first_k_dense_replace=1,
       n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-      q_lora_rank=None if plain else 20, kv_lora_rank=12, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14,
+      q_lora_rank=None if plain else 24, kv_lora_rank=16, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14,
       rope_interleave=not plain, rope_parameters={"rope_type": "default", "rope_theta": 5000.0} if plain else rope,
     )  # fmt: skip
     return t.DeepseekV3ForCausalLM(cfg)
