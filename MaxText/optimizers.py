@@ -1,9 +1,24 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+"""The optimizer (`opt_type`) and the learning-rate schedule (`lr_schedule_type`), from optax, with global-norm
+clipping.
+
+opt_type: adamw (optax.adamw), adam_pax (Adam keeping bias-corrected moments, as Pax/MaxText), sgd (optax.sgd),
+adafactor (optax.adafactor with its defaults) and muon (optax.contrib.muon: Newton-Schulz orthogonalised momentum
+for the matrices, AdamW for embeddings, the output head, norms and biases). lr_schedule_type: cosine or wsd.
+"""
 
 import jax
+import jax.numpy as jnp
 import optax
+from flax import linen as nn
+from optax.contrib import MuonDimensionNumbers
 
 from MaxText.common_types import Config
+from MaxText.layers import models
+from MaxText.layers.linears import DTYPES
+
+OPTIMIZERS = ("adamw", "adam_pax", "sgd", "adafactor", "muon")
+SCHEDULES = ("cosine", "wsd")
+WSD_DECAY_STYLES = ("linear", "cosine")
 
 # Parameters that AdamW does not decay: DeepSeek-V3's routing bias (layers/moe.py) steers the choice of experts
 # only, so its gradient is zero; decay would pull a loaded bias to 0.
@@ -17,33 +32,124 @@ def decays(params):
   )
 
 
+# ------------------------------------------------------------------------------------- schedules
 def learning_rate_schedule(config: Config) -> optax.Schedule:
-  """MaxText's schedule: linear warmup 0 -> learning_rate over warmup_steps, cosine decay to
-  learning_rate * cosine_learning_rate_final_fraction at learning_rate_schedule_steps, then 0
-  (Chinchilla, Hoffmann et al. 2022, decay over the run's length)."""
-  peak = config.learning_rate
-  warmup = config.warmup_steps
-  decay = max(config.learning_rate_schedule_steps - warmup, 1)
-  cosine = optax.cosine_decay_schedule(peak, decay, alpha=config.cosine_learning_rate_final_fraction)
-  pieces, boundaries = [cosine], []
+  """MaxText's schedules over learning_rate_schedule_steps S, peak learning_rate P, final fraction f, warmup W:
+
+  cosine: linear warmup 0 -> P over W steps, cosine decay to f * P at S (Chinchilla, Hoffmann et al. 2022).
+  wsd (warmup-stable-decay, Hu et al. 2024, arXiv:2404.06395): the same warmup, P until the last
+  wsd_decay_steps_fraction * S steps, which decay to f * P at S, linearly or by a cosine (wsd_decay_style).
+  Both are 0 from S on when the run takes more steps than S.
+  """
+  peak, warmup, total = config.learning_rate, config.warmup_steps, config.learning_rate_schedule_steps
+  final = peak * config.learning_rate_final_fraction
+  if config.lr_schedule_type == "cosine":
+    decay = max(total - warmup, 1)
+    pieces = [optax.cosine_decay_schedule(peak, decay, alpha=config.learning_rate_final_fraction)]
+    boundaries = []
+  else:
+    decay_steps = int(config.wsd_decay_steps_fraction * total)
+    if config.wsd_decay_style == "linear":
+      decay = optax.linear_schedule(peak, final, max(decay_steps, 1))
+    else:
+      decay = optax.cosine_decay_schedule(peak, max(decay_steps, 1), alpha=config.learning_rate_final_fraction)
+    stable = total - warmup - decay_steps
+    pieces, boundaries = [optax.constant_schedule(peak), decay], [warmup + stable]
+    if stable == 0:
+      pieces, boundaries = [decay], []
   if warmup > 0:
-    pieces, boundaries = [optax.linear_schedule(0.0, peak, warmup), cosine], [warmup]
-  if config.steps > config.learning_rate_schedule_steps:
+    pieces = [optax.linear_schedule(0.0, peak, warmup), *pieces]
+    boundaries = [warmup, *boundaries]
+  if config.steps > total:
     pieces.append(optax.constant_schedule(0.0))
-    boundaries.append(config.learning_rate_schedule_steps)
-  return optax.join_schedules(pieces, boundaries) if boundaries else cosine
+    boundaries.append(total)
+  return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
 
 
+# ------------------------------------------------------------------------------------- optimizers
 def create_optimizer(config: Config, schedule: optax.Schedule) -> optax.GradientTransformation:
-  adamw = optax.adamw(
-    schedule,
-    b1=config.adam_b1,
-    b2=config.adam_b2,
-    eps=config.adam_eps,
-    eps_root=config.adam_eps_root,
-    weight_decay=config.adam_weight_decay,
-    mask=decays,
-  )
+  """The optimizer of opt_type, after clipping to gradient_clipping_threshold (0: none)."""
+  mu_dtype = DTYPES[config.mu_dtype] if config.mu_dtype else None
+  adam = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps, eps_root=config.adam_eps_root)
+  if config.opt_type == "adamw":
+    opt = optax.adamw(schedule, **adam, weight_decay=config.adam_weight_decay, mu_dtype=mu_dtype, mask=decays)
+  elif config.opt_type == "adam_pax":
+    opt = adam_pax(schedule, **adam, weight_decay=config.adam_weight_decay)
+  elif config.opt_type == "sgd":
+    opt = optax.sgd(schedule)
+  elif config.opt_type == "adafactor":
+    opt = optax.adafactor(schedule)
+  else:
+    opt = optax.contrib.muon(
+      schedule,
+      beta=config.muon_beta,
+      eps=config.adam_eps,
+      weight_decay=config.muon_weight_decay,
+      weight_decay_mask=decays,
+      mu_dtype=mu_dtype,
+      adam_b1=config.adam_b1,
+      adam_b2=config.adam_b2,
+      adam_eps_root=config.adam_eps_root,
+      adam_weight_decay=config.adam_weight_decay,
+      muon_weight_dimension_numbers=muon_dimensions(config),
+      consistent_rms=config.muon_consistent_rms or None,
+    )
   if config.gradient_clipping_threshold > 0:
-    return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
+  return opt
+
+
+def adam_pax(learning_rate: optax.Schedule, b1, b2, eps, eps_root, weight_decay) -> optax.GradientTransformation:
+  """Adam as Pax (praxis's sharded_adam) and MaxText's adam_pax: the moments are kept bias-corrected, by decays
+  b * (1 - b^(t-1)) / (1 - b^t) at step t (Shazeer and Stern 2018, arXiv:1804.04235, sec. 7.1), so the update
+  is mu / (sqrt(nu + eps_root) + eps) with no correction at use; weight decay (all but NOT_DECAYED) is added
+  before the learning rate. The same updates as adamw up to rounding; the state holds other numbers."""
+
+  def init(params):
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree_util.tree_map(jnp.copy, zeros))
+
+  def corrected(decay, count):
+    t = count.astype(jnp.float32) + 1.0
+    return decay * (1.0 - decay ** (t - 1.0)) / (1.0 - decay**t)
+
+  def update(grads, opt_state, params=None):
+    d1, d2 = corrected(b1, opt_state.count), corrected(b2, opt_state.count)
+    mu = jax.tree_util.tree_map(lambda g, m: (1 - d1).astype(g.dtype) * g + d1.astype(g.dtype) * m, grads, opt_state.mu)
+    nu = jax.tree_util.tree_map(lambda g, v: (1 - d2).astype(g.dtype) * g * g + d2.astype(g.dtype) * v, grads, opt_state.nu)
+    updates = jax.tree_util.tree_map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu, nu)
+    if weight_decay > 0:
+      updates = jax.tree_util.tree_map(
+        lambda u, p, decayed: u + weight_decay * p if decayed else u, updates, params, decays(params)
+      )
+    lr = learning_rate(opt_state.count)
+    updates = jax.tree_util.tree_map(lambda u: (-lr * u).astype(u.dtype), updates)
+    return updates, optax.ScaleByAdamState(count=opt_state.count + 1, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init, update)
+
+
+# Logical axes that are not a matrix's rows or columns: the stacked layers and the experts.
+_BATCH_AXES = ("layers", "exp")
+
+
+def muon_dimensions(config: Config):
+  """Muon's MuonDimensionNumbers for each parameter, None for those AdamW updates, from the parameters' logical
+  axes: embeddings and the output head (a `vocab` axis), and anything with fewer than two axes besides layers
+  and experts, go to AdamW. A kernel whose last axis is the model's (embed: the attention output, an MLP's wo)
+  reduces over all its other axes; any other reduces over its first (the input) and outputs the rest."""
+  inputs = models.init_inputs(1, config.max_target_length)
+  boxed = jax.eval_shape(lambda rng: models.Transformer(config).init(rng, *inputs)["params"], jax.random.key(0))
+
+  def dims(spec):
+    names = tuple(spec)
+    matrix = [i for i, name in enumerate(names) if name not in _BATCH_AXES]
+    if len(matrix) < 2 or "vocab" in names:
+      return None
+    if names[matrix[-1]] in ("embed", "embed_no_exp"):
+      return MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]), output_axis=(matrix[-1],))
+    return MuonDimensionNumbers(reduction_axis=(matrix[0],), output_axis=tuple(matrix[1:]))
+
+  return jax.tree_util.tree_map(
+    dims, nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  )

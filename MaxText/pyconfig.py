@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from MaxText import families, input_pipeline, metrics, storage
+from MaxText import families, input_pipeline, metrics, optimizers, storage
 from MaxText.common_types import Config, ConfigError, freeze
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
@@ -79,6 +79,10 @@ def choices() -> dict[str, Collection[str]]:
     "profiler": metrics.PROFILERS,
     "decode_sampling_strategy": sampling.STRATEGIES,
     "attention_type": ("global", "mla"),
+    "opt_type": optimizers.OPTIMIZERS,
+    "lr_schedule_type": optimizers.SCHEDULES,
+    "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
+    "mu_dtype": ("", *linears.DTYPES),
   }
 
 
@@ -346,6 +350,15 @@ def _check_training(values: Mapping) -> None:
     raise ConfigError(f"steps={values['steps']} must be positive (or -1 to take learning_rate_schedule_steps)")
   if not 0.0 <= values["warmup_steps_fraction"] <= 1.0:
     raise ConfigError(f"warmup_steps_fraction={values['warmup_steps_fraction']} must be in [0, 1]")
+  if values["lr_schedule_type"] == "wsd":
+    warmup, decay = values["warmup_steps_fraction"], values["wsd_decay_steps_fraction"]
+    if not 0.0 <= decay <= 1.0 or warmup + decay > 1.0:
+      raise ConfigError(
+        f"wsd_decay_steps_fraction={decay} with warmup_steps_fraction={warmup}: the decay must be in [0, 1] and "
+        "fit after the warmup (their sum at most 1)"
+      )
+  if not 0.0 <= values["learning_rate_final_fraction"] <= 1.0:
+    raise ConfigError(f"learning_rate_final_fraction={values['learning_rate_final_fraction']} must be in [0, 1]")
   if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":
     raise ConfigError(f"eval_steps={values['eval_steps']}: synthetic data has no end; set eval_steps to a positive count")
   if values["eval_per_device_batch_size"] < 0:

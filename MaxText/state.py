@@ -54,7 +54,31 @@ def _batch_shards(config: Config) -> int:
 
 def _boxed_state(model, config, tx, rng) -> TrainState:
   params = init_params(model, config, rng)
-  return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params))
+  return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=_boxed_opt_state(tx, params))
+
+
+def _boxed_opt_state(tx, params):
+  """tx.init(params) with each leaf that belongs to a parameter and has its shape (Adam's moments, Muon's
+  momentum) boxed with that parameter's logical axes, so it is sharded alike; leaves of other shapes
+  (Adafactor's factored second moments, a row and a column per matrix) and counters stay unboxed: replicated.
+  A leaf belongs to the parameter whose path its path ends with (.../mu/layers/mlp/wo/kernel)."""
+  plain = nn.meta.unbox(params)
+  by_path = {}
+  for (path, param), names in zip(
+    jax.tree_util.tree_leaves_with_path(plain), jax.tree_util.tree_leaves(nn.get_partition_spec(params)), strict=True
+  ):
+    by_path[tuple(k.key for k in path)] = (param.shape, tuple(names))
+
+  def box(path, leaf):
+    keys = []
+    for k in reversed(path):
+      if not isinstance(k, jax.tree_util.DictKey):
+        break
+      keys.insert(0, k.key)
+    shape, names = by_path.get(tuple(keys), (None, None))
+    return nn.Partitioned(leaf, names) if shape == leaf.shape else leaf
+
+  return jax.tree_util.tree_map_with_path(box, tx.init(plain))
 
 
 def state_layout(model: nn.Module, config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateLayout:

@@ -50,7 +50,7 @@ def test_learning_rate_schedule_matches_plain_python(case):
     f"learning_rate_schedule_steps={spec['schedule_steps']}",
     f"warmup_steps_fraction={spec['warmup_fraction']}",
     f"learning_rate={peak}",
-    f"cosine_learning_rate_final_fraction={final}",
+    f"learning_rate_final_fraction={final}",
   )
   schedule_steps = spec["steps"] if spec["schedule_steps"] == -1 else spec["schedule_steps"]
   warmup = int(spec["warmup_fraction"] * schedule_steps)  # base.yml: a fraction of learning_rate_schedule_steps
@@ -98,7 +98,7 @@ def _adam_config(clip: float):
     "steps=6",
     "warmup_steps_fraction=0.34",  # 2 warmup steps: the first update runs at learning rate 0
     "learning_rate=0.1",
-    "cosine_learning_rate_final_fraction=0.1",
+    "learning_rate_final_fraction=0.1",
     f"adam_b1={ADAM['b1']}",
     f"adam_b2={ADAM['b2']}",
     f"adam_eps={ADAM['eps']}",
@@ -143,7 +143,7 @@ def test_adamw_matches_float64_reference(clip):
   rng = np.random.default_rng(0)
   params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
   grads_per_step = _grads(rng)
-  final = cfg.cosine_learning_rate_final_fraction
+  final = cfg.learning_rate_final_fraction
   lrs = [_reference_lr(t, peak=cfg.learning_rate, warmup=2, schedule_steps=6, final=final, steps=6) for t in range(6)]
   assert lrs[0] == 0.0 and cfg.warmup_steps == 2
 
@@ -175,3 +175,198 @@ def test_the_routing_bias_is_not_decayed():
   new = optax.apply_updates(params, updates)
   np.testing.assert_array_equal(new["mlp"]["gate_bias"], params["mlp"]["gate_bias"])
   np.testing.assert_allclose(new["mlp"]["wo"], 0.3 * (1 - 0.1 * 0.5), rtol=1e-6)
+
+
+def _reference_wsd(step: int, *, peak, warmup, schedule_steps, decay_steps, final, style, steps) -> float:
+  """Warmup-stable-decay as base.yml describes it: linear 0 -> peak over `warmup` steps, peak until the last
+  `decay_steps` of the schedule, then linear or cosine down to final * peak at `schedule_steps`; 0 after it
+  when the run is longer."""
+  if steps > schedule_steps and step >= schedule_steps:
+    return 0.0
+  if step < warmup:
+    return peak * step / warmup
+  start = schedule_steps - decay_steps
+  if step < start:
+    return peak
+  progress = min((step - start) / max(decay_steps, 1), 1.0)
+  if style == "linear":
+    return peak + (final * peak - peak) * progress
+  return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+@pytest.mark.parametrize("steps, warmup_fraction", [(120, 0.1), (100, 0.0), (100, 0.8)])
+def test_wsd_schedule_matches_plain_python(style, steps, warmup_fraction):
+  """lr_schedule_type=wsd over a 100-step schedule with a 20-step decay: with and without warmup, with no stable
+  phase (warmup 80 + decay 20), and a run 20 steps longer than the schedule (0 after it)."""
+  peak, final = 0.5, 0.2
+  cfg = config("lr_schedule_type=wsd", f"wsd_decay_style={style}", "wsd_decay_steps_fraction=0.2", f"steps={steps}",
+               "learning_rate_schedule_steps=100", f"warmup_steps_fraction={warmup_fraction}", f"learning_rate={peak}",
+               f"learning_rate_final_fraction={final}")  # fmt: skip
+  at = np.arange(steps + 5)
+  got = np.asarray(optimizers.learning_rate_schedule(cfg)(jnp.asarray(at)), np.float64)
+  want = [
+    _reference_wsd(
+      int(s),
+      peak=peak,
+      warmup=int(warmup_fraction * 100),
+      schedule_steps=100,
+      decay_steps=20,
+      final=final,
+      style=style,
+      steps=steps,
+    )  # fmt: skip
+    for s in at
+  ]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * peak)
+
+
+def test_a_wsd_decay_that_does_not_fit_after_the_warmup_is_a_config_error():
+  from MaxText.common_types import ConfigError
+
+  with pytest.raises(ConfigError, match="wsd_decay_steps_fraction=0.5 with warmup_steps_fraction=0.6"):
+    config("lr_schedule_type=wsd", "wsd_decay_steps_fraction=0.5", "warmup_steps_fraction=0.6")
+
+
+def test_adam_pax_matches_the_float64_reference_and_keeps_bias_corrected_moments():
+  """opt_type=adam_pax: the parameters of the AdamW reference (its updates are Adam's with the bias correction
+  folded into the decays), and moments that are the reference's bias-corrected ones, mu / (1 - b1^t)."""
+  cfg = config("opt_type=adam_pax", "steps=6", "warmup_steps_fraction=0.34",
+               "learning_rate=0.1", "learning_rate_final_fraction=0.1", *(f"adam_{k}={v}" for k, v in ADAM.items()),
+               "gradient_clipping_threshold=1.0")  # fmt: skip
+  rng = np.random.default_rng(0)
+  params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+  grads_per_step = _grads(rng)
+  lrs = [_reference_lr(t, peak=0.1, warmup=2, schedule_steps=6, final=0.1, steps=6) for t in range(6)]
+  got_params, got_state = _run_optimizer(cfg, params, grads_per_step)
+  want_params, want_mu, want_nu = _reference_adamw(params, grads_per_step, lrs, **ADAM, clip=1.0)
+  t = len(GRAD_NORMS)
+  is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+  (adam_state,) = [s for s in jax.tree_util.tree_leaves(got_state, is_leaf=is_adam) if is_adam(s)]
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got_params[k], np.float64), want_params[k], rtol=0, atol=1e-6, err_msg=k)
+    # Each moment is a float32 sum of terms of either sign up to max |moment|: an entry near 0 carries the
+    # rounding of the largest terms, so 1e-6 of the largest entry absolute (float32 is 6e-8 relative).
+    mu_hat, nu_hat = want_mu[k] / (1 - ADAM["b1"] ** t), want_nu[k] / (1 - ADAM["b2"] ** t)
+    mu_tol, nu_tol = 1e-6 * np.abs(mu_hat).max(), 1e-6 * np.abs(nu_hat).max()
+    np.testing.assert_allclose(np.asarray(adam_state.mu[k], np.float64), mu_hat, rtol=1e-5, atol=mu_tol, err_msg=k)
+    np.testing.assert_allclose(np.asarray(adam_state.nu[k], np.float64), nu_hat, rtol=1e-5, atol=nu_tol, err_msg=k)
+
+
+def test_sgd_subtracts_the_learning_rate_times_the_clipped_gradient():
+  cfg = config("opt_type=sgd", "steps=6", "warmup_steps_fraction=0.34", "learning_rate=0.1",
+               "learning_rate_final_fraction=0.1", "gradient_clipping_threshold=1.0")  # fmt: skip
+  rng = np.random.default_rng(0)
+  params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+  grads_per_step = _grads(rng)
+  lrs = [_reference_lr(t, peak=0.1, warmup=2, schedule_steps=6, final=0.1, steps=6) for t in range(6)]
+  want = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  for grads, lr in zip(grads_per_step, lrs, strict=True):
+    norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in grads.values()))
+    scale = 1.0 / norm if norm > 1.0 else 1.0
+    want = {k: want[k] - lr * scale * np.asarray(grads[k], np.float64) for k in want}
+  got, _ = _run_optimizer(cfg, params, grads_per_step)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_adafactor_is_optax_adafactor_on_the_schedule_after_clipping():
+  cfg = config("opt_type=adafactor", "steps=6", "warmup_steps_fraction=0.34", "learning_rate=0.1")
+  rng = np.random.default_rng(0)
+  params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+  grads_per_step = _grads(rng)
+  got, _ = _run_optimizer(cfg, params, grads_per_step)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adafactor(optimizers.learning_rate_schedule(cfg)))
+  state, want = tx.init(params), params
+  for grads in grads_per_step:
+    updates, state = tx.update(grads, state, want)
+    want = optax.apply_updates(want, updates)
+  for k in params:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_muon_orthogonalises_the_matrices_and_leaves_the_rest_to_adamw():
+  """The Muon dimension numbers of a scanned deepseek model's parameters (layers and experts are batch axes):
+  queries reduce over embed into (heads, head_dim), the attention output over (heads, head_dim) into embed, each
+  expert over its input; embeddings, the output head, norms and the routing bias go to AdamW."""
+  from optax.contrib import MuonDimensionNumbers as Dims
+
+  cfg = config("model_name=deepseek3-tiny", "max_target_length=32", "opt_type=muon")
+  dims = optimizers.muon_dimensions(cfg)
+  attention = dims["moe_layers"]["self_attention"]
+  assert attention["wq_b"]["kernel"] == Dims(reduction_axis=(1,), output_axis=(2, 3))
+  assert attention["wq_a"]["kernel"] == Dims(reduction_axis=(1,), output_axis=(2,))
+  assert attention["out"]["kernel"] == Dims(reduction_axis=(1, 2), output_axis=(3,))
+  assert dims["moe_layers"]["mlp"]["wi_0"] == Dims(reduction_axis=(2,), output_axis=(3,))
+  assert dims["moe_layers"]["mlp"]["wo"] == Dims(reduction_axis=(2,), output_axis=(3,))
+  assert dims["dense_layers"]["mlp"]["wo"]["kernel"] == Dims(reduction_axis=(1,), output_axis=(2,))
+  for adam in (dims["token_embedder"]["embedding"], dims["logits_dense"]["kernel"], dims["decoder_norm"]["scale"],
+               dims["moe_layers"]["mlp"]["gate_bias"], attention["kv_norm"]["scale"]):  # fmt: skip
+    assert adam is None
+
+
+@pytest.mark.parametrize(
+  "keys",
+  [
+    ("opt_type=adam_pax",),
+    ("opt_type=sgd", "lr_schedule_type=wsd", "wsd_decay_style=cosine"),
+    ("opt_type=adafactor",),
+    ("opt_type=muon", "muon_weight_decay=0.01", "muon_consistent_rms=0.2"),
+    ("opt_type=adamw", "lr_schedule_type=wsd", "mu_dtype=bfloat16"),
+  ],
+  ids=["adam_pax", "sgd_wsd", "adafactor", "muon", "adamw_wsd_bf16_mu"],
+)
+def test_every_optimizer_and_schedule_trains_and_resumes_exactly(keys, tmp_path):
+  """6 steps straight, and 3 steps with a checkpoint then a resumed run to 6: the resumed steps' losses and the
+  final state (parameters and optimizer state) are bit-identical; the loss goes down."""
+  from MaxText import checkpointing, train
+  from MaxText.tests.helpers import assert_trees_equal
+
+  common = (*keys, "steps=6", "learning_rate=1e-2", "warmup_steps_fraction=0.2", "learning_rate_schedule_steps=6",
+            "per_device_batch_size=2", "max_target_length=32", f"base_output_directory={tmp_path}",
+            "enable_checkpointing=true", "async_checkpointing=false", "checkpoint_period=3")  # fmt: skip
+  straight = train.train(config(*common, "run_name=straight"), jax.devices()[:1])
+  train.train(config(*common, "run_name=resumed", "steps=3"), jax.devices()[:1])
+  resumed = train.train(config(*common, "run_name=resumed"), jax.devices()[:1])
+  assert resumed.first_step == 3
+  assert resumed.losses == [(s, loss) for s, loss in straight.losses if s >= 3]
+  losses = [loss for _, loss in straight.losses]
+  assert losses[-1] < losses[0]
+
+  def saved(run):  # the whole train state of step 6 as stored: parameters, optimizer state, step
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer().restore(str(tmp_path / run / "checkpoints" / "6" / checkpointing.ITEM))
+
+  assert_trees_equal(saved("resumed"), saved("straight"))
+
+
+@pytest.mark.parametrize("opt_type", ["muon", "adafactor", "adam_pax"])
+def test_sharded_training_equals_one_device(opt_type):
+  """fsdp 2 x tensor 2 on 4 devices trains 3 steps to the losses of one device; the optimizer's per-parameter
+  state is sharded as its parameter (Adafactor's factored moments, of other shapes, replicated)."""
+  from MaxText import train
+
+  common = (f"opt_type={opt_type}", "steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "max_target_length=32")
+  one = config(*common, "per_device_batch_size=4")
+  four = config(*common, "per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", num_devices=4)
+  want = [loss for _, loss in train.train(one, jax.devices()[:1]).losses]
+  got = [loss for _, loss in train.train(four, jax.devices()[:4]).losses]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+  _, _, _, _, layout = train.build(four, jax.devices()[:4])
+  params = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(layout.shardings.params)}
+  shapes = {jax.tree_util.keystr(p): a.shape for p, a in jax.tree_util.tree_leaves_with_path(layout.abstract.params)}
+  matched = 0
+  for (path, sharding), leaf in zip(
+    jax.tree_util.tree_leaves_with_path(layout.shardings.opt_state),
+    jax.tree_util.tree_leaves(layout.abstract.opt_state),
+    strict=True,
+  ):
+    owner = next((k for k in params if jax.tree_util.keystr(path).endswith(k)), None)
+    if owner is not None and leaf.shape == shapes[owner]:
+      assert sharding.spec == params[owner].spec, jax.tree_util.keystr(path)
+      matched += 1
+    else:
+      assert sharding.is_fully_replicated, jax.tree_util.keystr(path)
+  assert matched >= len(params) // 2  # Muon's momentum covers the matrices; Adam's moments every parameter

@@ -83,8 +83,14 @@ KILL_RUN = ("max_target_length=128", "per_device_batch_size=4", "steps=120", "ch
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
-  rc, _, err = _run_cli(tmp_path, "run_name=straight", *KILL_RUN, f"metrics_file={tmp_path}/straight.jsonl")
+@pytest.mark.parametrize(
+  "optimizer", [(), ("opt_type=muon", "lr_schedule_type=wsd", "mu_dtype=bfloat16")], ids=["adamw", "muon_wsd"]
+)
+def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path, optimizer):
+  """A run killed with SIGKILL mid-way resumes from its last complete checkpoint with the uninterrupted run's
+  losses, with the default AdamW and cosine, and with Muon, warmup-stable-decay and a bfloat16 first moment."""
+  run = (*KILL_RUN, *optimizer)
+  rc, _, err = _run_cli(tmp_path, "run_name=straight", *run, f"metrics_file={tmp_path}/straight.jsonl")
   assert rc == 0, err
   straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "straight.jsonl")}
   assert sorted(straight) == list(range(120))
@@ -99,7 +105,7 @@ def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert key in _metrics(tmp_path / "straight.jsonl")[0]
 
   metrics_file = tmp_path / "killed.jsonl"
-  proc = _run_cli(tmp_path, "run_name=killed", *KILL_RUN, f"metrics_file={metrics_file}", wait=False)
+  proc = _run_cli(tmp_path, "run_name=killed", *run, f"metrics_file={metrics_file}", wait=False)
   checkpoints = tmp_path / "killed" / "checkpoints"
   deadline = time.time() + 120
   while time.time() < deadline and not (checkpoints / "30").is_dir():
@@ -109,7 +115,7 @@ def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
   killed_at = len(_metrics(metrics_file))
   assert killed_at < 120, "the run finished before it was killed; the test needs slower steps"
 
-  rc, out, err = _run_cli(tmp_path, "run_name=killed", *KILL_RUN, f"metrics_file={metrics_file}")
+  rc, out, err = _run_cli(tmp_path, "run_name=killed", *run, f"metrics_file={metrics_file}")
   assert rc == 0, err
   assert "resumed from" in out
   records = _metrics(metrics_file)
