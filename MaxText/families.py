@@ -322,16 +322,7 @@ def _deepseek_write(cfg: Config) -> dict:
     )
   rope = None
   if cfg.rope_type == "yarn":
-    rope = {
-      "rope_type": "yarn",
-      "factor": cfg.rope_factor,
-      "original_max_position_embeddings": cfg.original_max_position_embeddings,
-      "beta_fast": cfg.beta_fast,
-      "beta_slow": cfg.beta_slow,
-      "mscale": cfg.mscale,
-      "mscale_all_dim": cfg.mscale,
-      "truncate": cfg.rope_truncate,
-    }
+    rope = hf_families.yarn_scaling(cfg) | {"mscale_all_dim": cfg.mscale}  # the softmax's temperature (MLA)
     if cfg.max_position_embeddings <= cfg.original_max_position_embeddings:
       raise ConfigError(
         f"max_position_embeddings={cfg.max_position_embeddings} <= original_max_position_embeddings: our MLA then "

@@ -194,6 +194,19 @@ def read_rope(hf: Mapping) -> dict:
   return keys
 
 
+def yarn_scaling(cfg: Config) -> dict:
+  """config.json's rope_scaling for rope_type=yarn (our keys under transformers' names)."""
+  return {
+    "rope_type": "yarn",
+    "factor": cfg.rope_factor,
+    "original_max_position_embeddings": cfg.original_max_position_embeddings,
+    "beta_fast": cfg.beta_fast,
+    "beta_slow": cfg.beta_slow,
+    "mscale": cfg.mscale,
+    "truncate": cfg.rope_truncate,
+  }
+
+
 def write_rope(cfg: Config) -> dict:
   scaling = None
   if cfg.rope_type == "llama3.1":
@@ -205,15 +218,7 @@ def write_rope(cfg: Config) -> dict:
       "original_max_position_embeddings": cfg.rope_original_max_position,
     }
   if cfg.rope_type == "yarn":
-    scaling = {
-      "rope_type": "yarn",
-      "factor": cfg.rope_factor,
-      "original_max_position_embeddings": cfg.original_max_position_embeddings,
-      "beta_fast": cfg.beta_fast,
-      "beta_slow": cfg.beta_slow,
-      "mscale": cfg.mscale,
-      "truncate": cfg.rope_truncate,
-    }
+    scaling = yarn_scaling(cfg)
     if not cfg.rope_attention_scaling:
       scaling["attention_factor"] = 1.0
   return {"rope_theta": cfg.rope_max_timescale, "rope_scaling": scaling}

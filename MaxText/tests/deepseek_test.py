@@ -15,7 +15,7 @@ from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.inference import decoding
 from MaxText.layers import models
-from MaxText.tests.helpers import config
+from MaxText.tests.helpers import config, train_batch
 
 TINY_DEEPSEEK = ("model_name=deepseek3-tiny", "max_target_length=32", "max_prefill_predict_length=16")
 
@@ -72,21 +72,13 @@ def _loss_and_grads(cfg, params, batch):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
-def _batch(cfg, rows=2, seed=1):
-  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (rows, cfg.max_target_length + 1)).astype(np.int32)
-  ones = np.ones((rows, cfg.max_target_length), np.int32)
-  positions = np.broadcast_to(np.arange(cfg.max_target_length, dtype=np.int32), ones.shape)
-  return {"inputs": tokens[:, :-1], "inputs_segmentation": ones, "inputs_position": positions, "targets": tokens[:, 1:],
-          "targets_segmentation": ones}  # fmt: skip
-
-
 def test_dense_and_moe_stacks_scanned_equal_unrolled():
   """The scanned stacks `dense_layers` (1 layer) and `moe_layers` (2) give the loss (with the load-balancing
   loss) and gradients of the unrolled dense_layers_0, moe_layers_0 and moe_layers_1."""
   common = (*TINY_DEEPSEEK, "load_balance_loss_weight=0.1")
   cfg = config(*common)
   params = _init(cfg)
-  batch = _batch(cfg)
+  batch = train_batch(cfg)
   (loss, _), grads = _loss_and_grads(cfg, params, batch)
   unrolled = {k: v for k, v in params.items() if not k.endswith("_layers")}
   for stack in ("dense_layers", "moe_layers"):
@@ -235,7 +227,7 @@ def test_a_training_step_moves_each_routing_bias_towards_balance(scan):
   model = models.Transformer(cfg)
   params = nn.meta.unbox(model.init({"params": jax.random.key(0)}, *models.init_inputs(1, cfg.max_target_length)))
   params = params["params"]
-  batch = _batch(cfg, rows=4)
+  batch = train_batch(cfg, rows=4)
   _, sown = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
                         mutable=["intermediates"])  # fmt: skip
   stacks = ["moe_layers"] if scan == "true" else ["moe_layers_0", "moe_layers_1"]

@@ -38,6 +38,15 @@ def config(*args, num_devices=1, **kw):
   return pyconfig.load([BASE_YML, *overrides(*args, **kw)], num_devices=num_devices, env={})
 
 
+def train_batch(cfg, rows=2, seed=1) -> dict:
+  """A batch of random tokens for loss_fn / train_step: `rows` unpacked sequences of max_target_length."""
+  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (rows, cfg.max_target_length + 1)).astype(np.int32)
+  ones = np.ones((rows, cfg.max_target_length), np.int32)
+  positions = np.broadcast_to(np.arange(cfg.max_target_length, dtype=np.int32), ones.shape)
+  return {"inputs": tokens[:, :-1], "inputs_segmentation": ones, "inputs_position": positions, "targets": tokens[:, 1:],
+          "targets_segmentation": ones}  # fmt: skip
+
+
 def run(args, env, timeout=300, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
   """Runs a command to completion, capturing its output as text; never raises for a non-zero exit code."""
   return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)

@@ -12,7 +12,7 @@ from flax import linen as nn
 from MaxText import metrics, train
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, moe
-from MaxText.tests.helpers import config
+from MaxText.tests.helpers import config, train_batch
 
 # A tiny Mixtral: 4 experts, top-2, experts 48 wide; float32 with exact matmuls (helpers.TINY).
 MOE = (
@@ -131,14 +131,6 @@ def _model_loss_and_grads(cfg, params, batch):
   return fn(params)
 
 
-def _batch(cfg, rows=2, seed=1):
-  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (rows, cfg.max_target_length + 1)).astype(np.int32)
-  ones = np.ones((rows, cfg.max_target_length), np.int32)
-  positions = np.broadcast_to(np.arange(cfg.max_target_length, dtype=np.int32), ones.shape)
-  return {"inputs": tokens[:, :-1], "inputs_segmentation": ones, "inputs_position": positions, "targets": tokens[:, 1:],
-          "targets_segmentation": ones}  # fmt: skip
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_the_loss_adds_the_weighted_load_balance_loss_averaged_over_layers(family):
   """loss = cross-entropy + load_balance_loss_weight * mean over layers of each layer's sown loss (per token);
@@ -146,7 +138,7 @@ def test_the_loss_adds_the_weighted_load_balance_loss_averaged_over_layers(famil
   cfg = config(*MOE, f"decoder_block={family}", "load_balance_loss_weight=0.5", "max_target_length=32")
   model = models.Transformer(cfg)
   params = nn.meta.unbox(model.init({"params": jax.random.key(0)}, *models.init_inputs(2, 32)))["params"]
-  batch = _batch(cfg)
+  batch = train_batch(cfg)
   (loss, aux), grads = _model_loss_and_grads(cfg, params, batch)
   _, sown = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
                         mutable=["intermediates"])  # fmt: skip
