@@ -357,6 +357,15 @@ def _check_training(values: Mapping) -> None:
         f"wsd_decay_steps_fraction={decay} with warmup_steps_fraction={warmup}: the decay must be in [0, 1] and "
         "fit after the warmup (their sum at most 1)"
       )
+  if values["mu_dtype"] and values["opt_type"] not in optimizers.USES_MU_DTYPE:
+    raise ConfigError(
+      f"mu_dtype={values['mu_dtype']} is used by opt_type {' and '.join(optimizers.USES_MU_DTYPE)} only; unset it "
+      f"(mu_dtype='') for opt_type={values['opt_type']}"
+    )
+  if not 0.0 <= values["muon_beta"] < 1.0 or values["muon_consistent_rms"] < 0:
+    raise ConfigError(
+      f"muon_beta={values['muon_beta']} must be in [0, 1) and muon_consistent_rms={values['muon_consistent_rms']} >= 0"
+    )
   if not 0.0 <= values["learning_rate_final_fraction"] <= 1.0:
     raise ConfigError(f"learning_rate_final_fraction={values['learning_rate_final_fraction']} must be in [0, 1]")
   if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":

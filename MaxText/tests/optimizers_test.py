@@ -13,13 +13,15 @@ from MaxText.tests.helpers import config
 
 
 def _reference_lr(step: int, *, peak: float, warmup: int, schedule_steps: int, final: float, steps: int) -> float:
-  """The schedule as base.yml describes it: linear 0 -> peak over `warmup` steps, cosine from peak down to
-  final * peak at `schedule_steps`, then 0 for the steps a run takes beyond `schedule_steps`."""
+  """The schedule as MaxText defines it (create_learning_rate_schedule): linear 0 -> peak over `warmup` steps,
+  then half a cosine from peak at step `warmup` down to final * peak at step schedule_steps - 1, then 0 for the
+  steps a run takes beyond `schedule_steps`. Defined for the steps a run takes."""
   if steps > schedule_steps and step >= schedule_steps:
     return 0.0
-  if step < warmup:
-    return peak * step / warmup
-  progress = min((step - warmup) / max(schedule_steps - warmup, 1), 1.0)
+  if step < warmup or warmup == schedule_steps:
+    return peak * min(step / warmup, 1.0)
+  length = schedule_steps - warmup
+  progress = (step - warmup) / (length - 1) if length > 1 else 1.0
   return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -54,7 +56,8 @@ def test_learning_rate_schedule_matches_plain_python(case):
   )
   schedule_steps = spec["steps"] if spec["schedule_steps"] == -1 else spec["schedule_steps"]
   warmup = int(spec["warmup_fraction"] * schedule_steps)  # base.yml: a fraction of learning_rate_schedule_steps
-  steps = np.arange(spec["steps"] + 5)
+  # The steps of the run, and a few past its end where the schedule's zero tail covers them.
+  steps = np.arange(spec["steps"] + (5 if spec["steps"] > schedule_steps else 0))
   got = np.asarray(optimizers.learning_rate_schedule(cfg)(jnp.asarray(steps)), np.float64)
   expected = [
     _reference_lr(int(s), peak=peak, warmup=warmup, schedule_steps=schedule_steps, final=final, steps=spec["steps"])
@@ -63,8 +66,8 @@ def test_learning_rate_schedule_matches_plain_python(case):
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * peak)
   if warmup == 0:
     assert got[0] == pytest.approx(peak)
-  if spec["steps"] == schedule_steps:
-    assert got[-1] > 0  # No zero tail when the run is exactly the schedule's length.
+  if spec["steps"] == schedule_steps and warmup < schedule_steps:
+    assert got[-1] == pytest.approx(final * peak)  # The last step runs at the final learning rate.
 
 
 def _reference_adamw(params, grads_per_step, lrs, *, b1, b2, eps, eps_root, weight_decay, clip):
@@ -178,9 +181,9 @@ def test_the_routing_bias_is_not_decayed():
 
 
 def _reference_wsd(step: int, *, peak, warmup, schedule_steps, decay_steps, final, style, steps) -> float:
-  """Warmup-stable-decay as base.yml describes it: linear 0 -> peak over `warmup` steps, peak until the last
-  `decay_steps` of the schedule, then linear or cosine down to final * peak at `schedule_steps`; 0 after it
-  when the run is longer."""
+  """Warmup-stable-decay as MaxText defines it: linear 0 -> peak over `warmup` steps, peak until the last
+  `decay_steps` of the schedule, then linear or cosine from peak down to final * peak at step
+  schedule_steps - 1; 0 after the schedule when the run is longer."""
   if steps > schedule_steps and step >= schedule_steps:
     return 0.0
   if step < warmup:
@@ -188,7 +191,7 @@ def _reference_wsd(step: int, *, peak, warmup, schedule_steps, decay_steps, fina
   start = schedule_steps - decay_steps
   if step < start:
     return peak
-  progress = min((step - start) / max(decay_steps, 1), 1.0)
+  progress = (step - start) / (decay_steps - 1)
   if style == "linear":
     return peak + (final * peak - peak) * progress
   return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress)))
@@ -203,7 +206,7 @@ def test_wsd_schedule_matches_plain_python(style, steps, warmup_fraction):
   cfg = config("lr_schedule_type=wsd", f"wsd_decay_style={style}", "wsd_decay_steps_fraction=0.2", f"steps={steps}",
                "learning_rate_schedule_steps=100", f"warmup_steps_fraction={warmup_fraction}", f"learning_rate={peak}",
                f"learning_rate_final_fraction={final}")  # fmt: skip
-  at = np.arange(steps + 5)
+  at = np.arange(steps + (5 if steps > 100 else 0))
   got = np.asarray(optimizers.learning_rate_schedule(cfg)(jnp.asarray(at)), np.float64)
   want = [
     _reference_wsd(
@@ -219,6 +222,7 @@ def test_wsd_schedule_matches_plain_python(style, steps, warmup_fraction):
     for s in at
   ]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * peak)
+  assert got[99] == pytest.approx(final * peak)  # the schedule's last step runs at the final learning rate
 
 
 def test_a_wsd_decay_that_does_not_fit_after_the_warmup_is_a_config_error():
@@ -370,3 +374,58 @@ def test_sharded_training_equals_one_device(opt_type):
     else:
       assert sharding.is_fully_replicated, jax.tree_util.keystr(path)
   assert matched >= len(params) // 2  # Muon's momentum covers the matrices; Adam's moments every parameter
+
+
+def test_muon_leaves_biases_and_the_routing_bias_to_adamw_without_decaying_the_bias():
+  """GPT-3's 2-D query bias (heads x head_dim) is a bias, not a matrix: AdamW's. And with zero gradients, the
+  routing bias keeps its value under Muon (whose AdamW branch decays what it updates) while a kernel decays."""
+  small = ("base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=16", "base_mlp_dim=128")
+  gpt_cfg = config("model_name=gpt3-6b", "override_model_config=true", "base_num_decoder_layers=1", *small,
+                   "vocab_size=256", "max_target_length=8")  # fmt: skip
+  gpt = optimizers.muon_dimensions(gpt_cfg)
+  assert gpt["layers"]["self_attention"]["query"]["bias"] is None
+  assert gpt["layers"]["self_attention"]["query"]["kernel"] is not None
+  cfg = config("model_name=deepseek3-tiny", "max_target_length=32", "opt_type=muon", "learning_rate=0.1",
+               "adam_weight_decay=0.5", "warmup_steps_fraction=0", "gradient_clipping_threshold=0")  # fmt: skip
+  from flax import linen as nn
+
+  from MaxText.layers import models
+
+  params = nn.meta.unbox(models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 32))["params"])
+  params["moe_layers"]["mlp"]["gate_bias"] = jnp.full_like(params["moe_layers"]["mlp"]["gate_bias"], 0.3)
+  tx = optimizers.create_optimizer(cfg, optimizers.learning_rate_schedule(cfg))
+  updates, _ = tx.update(jax.tree_util.tree_map(jnp.zeros_like, params), tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(new["moe_layers"]["mlp"]["gate_bias"], params["moe_layers"]["mlp"]["gate_bias"])
+  norm = params["decoder_norm"]["scale"]
+  np.testing.assert_allclose(new["decoder_norm"]["scale"], norm * (1 - 0.1 * 0.5), rtol=1e-6)  # AdamW's decay
+
+
+def test_muon_is_optax_muon_with_our_dimension_numbers():
+  """Three steps of opt_type=muon on a small tree equal optax.contrib.muon given the same keys and dimension
+  numbers (a [3, 8, 5] stacked kernel orthogonalised per layer, a vector to AdamW), after clipping."""
+  from optax.contrib import MuonDimensionNumbers as Dims
+
+  cfg = config("opt_type=muon", "learning_rate=0.05", "warmup_steps_fraction=0", "muon_weight_decay=0.1",
+               "muon_consistent_rms=0.2", "steps=3")  # fmt: skip
+  dims = {"w": Dims(reduction_axis=(1,), output_axis=(2,)), "b": None}
+  rng = np.random.default_rng(0)
+  params = {"w": rng.standard_normal((3, 8, 5)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+  grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()} for _ in range(3)]
+  ours = optax.chain(
+    optax.clip_by_global_norm(1.0), optimizers._muon_with(cfg, optimizers.learning_rate_schedule(cfg), dims)
+  )
+  theirs = optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(
+    optimizers.learning_rate_schedule(cfg), beta=0.95, eps=cfg.adam_eps, weight_decay=0.1, adam_b1=cfg.adam_b1,
+    adam_b2=cfg.adam_b2, adam_weight_decay=cfg.adam_weight_decay, muon_weight_dimension_numbers=dims,
+    consistent_rms=0.2))  # fmt: skip
+  results = []
+  for tx in (ours, theirs):
+    p, state = params, tx.init(params)
+    for g in grads:
+      updates, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, updates)
+    results.append(p)
+  for k in params:
+    np.testing.assert_allclose(results[0][k], results[1][k], rtol=1e-6, atol=1e-7, err_msg=k)
+  assert not np.allclose(results[0]["w"], params["w"])
