@@ -151,8 +151,8 @@ def adam_pax(learning_rate: optax.Schedule, b1, b2, eps, eps_root, weight_decay)
   before the learning rate. The same updates as adamw up to rounding; the state holds other numbers."""
 
   def init(params):
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree_util.tree_map(jnp.copy, zeros))
+    zeros = lambda: jax.tree_util.tree_map(jnp.zeros_like, params)  # noqa: E731
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
 
   def corrected(decay, count):
     t = count.astype(jnp.float32) + 1.0

@@ -15,7 +15,7 @@ from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.inference import decoding
 from MaxText.layers import models
-from MaxText.tests.helpers import config, train_batch
+from MaxText.tests.helpers import assert_sharded_decode_equals_one_device, config, train_batch
 
 TINY_DEEPSEEK = ("model_name=deepseek3-tiny", "max_target_length=32", "max_prefill_predict_length=16")
 
@@ -252,24 +252,10 @@ def test_sharded_decode_equals_single_device():
   one = config(*TINY_DEEPSEEK, "per_device_batch_size=8")
   eight = config(*TINY_DEEPSEEK, "per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
                  "ici_tensor_parallelism=2", num_devices=8)  # fmt: skip
-  params = _init(one)
-  dec1 = decoding.Decoder(one, sharding.create_mesh(one, jax.devices()[:1]))
-  dec8 = decoding.Decoder(eight, sharding.create_mesh(eight, jax.devices()[:8]))
-  _, shardings = state_lib.params_layout(models.Transformer(eight, dec8.mesh), eight, dec8.mesh)
-  params8 = jax.device_put(params, shardings)
   rng = np.random.default_rng(2)
   prompts = [rng.integers(1, one.vocab_size, n).astype(np.int32) for n in (4, 12, 7, 1, 16, 9, 14, 3)]
-  tokens, lengths = decoding.pad_prompts(prompts, 8, one.max_prefill_predict_length)
-  logits1, cache1 = dec1.prefill(params, *dec1.put_batch(tokens, lengths))
-  logits8, cache8 = dec8.prefill(params8, *dec8.put_batch(tokens, lengths))
+  cache8 = assert_sharded_decode_equals_one_device(one, eight, _init(one), prompts)
   assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec(decoding.LATENT_CACHE_KV_AXES, eight)
-  np.testing.assert_allclose(np.asarray(logits8), np.asarray(logits1), rtol=1e-5, atol=1e-5)
-  step = jnp.asarray(np.argmax(np.asarray(logits1), -1), jnp.int32)
-  np.testing.assert_allclose(
-    np.asarray(dec8.step(params8, cache8, step)[0]), np.asarray(dec1.step(params, cache1, step)[0]), rtol=1e-5, atol=1e-5
-  )
-  out1, out8 = dec1.decode(params, prompts), dec8.decode(params8, prompts)
-  assert all(np.array_equal(x, y) for x, y in zip(out1, out8, strict=True))
 
 
 def test_a_scan_layers_mismatch_names_the_layout_for_the_dense_and_moe_stacks(tmp_path):

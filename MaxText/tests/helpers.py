@@ -47,6 +47,33 @@ def train_batch(cfg, rows=2, seed=1) -> dict:
           "targets_segmentation": ones}  # fmt: skip
 
 
+def assert_sharded_decode_equals_one_device(one, eight, params, prompts):
+  """Decoders of config `one` on 1 device and `eight` on 8 (params placed by its layout) give the same prefill
+  logits, next-step logits and decoded tokens for `prompts` (a batch of 8); returns the 8-device prefill's cache,
+  for the caller to check its sharding."""
+  import jax.numpy as jnp
+
+  from MaxText import sharding, state
+  from MaxText.inference import decoding
+  from MaxText.layers import models
+
+  dec1 = decoding.Decoder(one, sharding.create_mesh(one, jax.devices()[:1]))
+  dec8 = decoding.Decoder(eight, sharding.create_mesh(eight, jax.devices()[:8]))
+  _, shardings = state.params_layout(models.Transformer(eight, dec8.mesh), eight, dec8.mesh)
+  params8 = jax.device_put(params, shardings)
+  tokens, lengths = decoding.pad_prompts(prompts, 8, one.max_prefill_predict_length)
+  logits1, cache1 = dec1.prefill(params, *dec1.put_batch(tokens, lengths))
+  logits8, cache8 = dec8.prefill(params8, *dec8.put_batch(tokens, lengths))
+  np.testing.assert_allclose(np.asarray(logits8), np.asarray(logits1), rtol=1e-5, atol=1e-5)
+  step = jnp.asarray(np.argmax(np.asarray(logits1), -1), jnp.int32)
+  np.testing.assert_allclose(
+    np.asarray(dec8.step(params8, cache8, step)[0]), np.asarray(dec1.step(params, cache1, step)[0]), rtol=1e-5, atol=1e-5
+  )
+  out1, out8 = dec1.decode(params, prompts), dec8.decode(params8, prompts)
+  assert all(np.array_equal(x, y) for x, y in zip(out1, out8, strict=True))
+  return cache8
+
+
 def run(args, env, timeout=300, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
   """Runs a command to completion, capturing its output as text; never raises for a non-zero exit code."""
   return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)

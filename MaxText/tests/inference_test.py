@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from MaxText import decode, generate_param_only_checkpoint, inference_microbenchmark, sharding, state, train, train_tokenizer
+from MaxText import decode, generate_param_only_checkpoint, inference_microbenchmark, sharding, train, train_tokenizer
 from MaxText.inference import decoding
 from MaxText.inference.sampling import Sampling, sample
 from MaxText.layers import models
-from MaxText.tests.helpers import BASE_YML, config, flip_a_stored_bit, overrides
+from MaxText.tests.helpers import BASE_YML, assert_sharded_decode_equals_one_device, config, flip_a_stored_bit, overrides
 
 DECODE = ("max_target_length=48", "max_prefill_predict_length=32", "per_device_batch_size=1")
 
@@ -185,22 +185,9 @@ def test_sharded_decode_equals_single_device():
   one = config(*DECODE, "per_device_batch_size=8")
   eight = config(*DECODE, "per_device_batch_size=1", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
   _, params = _params(one)
-  prompts = _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3])
-  dec1, dec8 = _decoder(one), _decoder(eight, devices=8)
-  _, shardings = state.params_layout(models.Transformer(eight, dec8.mesh), eight, dec8.mesh)
-  params8 = jax.device_put(params, shardings)
-  tokens, lengths = decoding.pad_prompts(prompts, 8, one.max_prefill_predict_length)
-  logits1, cache1 = dec1.prefill(params, *dec1.put_batch(tokens, lengths))
-  logits8, cache8 = dec8.prefill(params8, *dec8.put_batch(tokens, lengths))
+  cache8 = assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
   assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec(decoding.CACHE_KV_AXES, eight)
   assert len(cache8.keys.sharding.device_set) == 8
-  np.testing.assert_allclose(np.asarray(logits8), np.asarray(logits1), rtol=1e-5, atol=1e-5)
-  step = jnp.asarray(np.argmax(np.asarray(logits1), -1), jnp.int32)
-  np.testing.assert_allclose(
-    np.asarray(dec8.step(params8, cache8, step)[0]), np.asarray(dec1.step(params, cache1, step)[0]), rtol=1e-5, atol=1e-5
-  )
-  out1, out8 = dec1.decode(params, prompts), dec8.decode(params8, prompts)
-  assert all(np.array_equal(x, y) for x, y in zip(out1, out8, strict=True))
 
 
 # ------------------------------------------------------------------------------------------ the CLI
