@@ -56,11 +56,22 @@ class Timer:
     return out
 
 
+def prompt_tokens(config: Config, tokenizer: tokenizer_lib.Tokenizer, prompts: list[str]) -> list[list[int]]:
+  """Each prompt's tokens: [BOS] prompt, or with use_chat_template a user turn and the generation prompt."""
+  if not config.use_chat_template:
+    return [([tokenizer.bos_id] if config.add_bos else []) + tokenizer.encode(p) for p in prompts]
+  from MaxText.input_pipeline import sft
+
+  template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
+  compiled = sft.compile_template(template)
+  return [sft.render(compiled, tokenizer, [{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+
+
 def decode(config: Config) -> int:
   decoding.check(config)
   tokenizer = load_tokenizer(config)
   prompts = read_prompts(config)
-  ids = [np.asarray(([tokenizer.bos_id] if config.add_bos else []) + tokenizer.encode(p), np.int32) for p in prompts]
+  ids = [np.asarray(tokens, np.int32) for tokens in prompt_tokens(config, tokenizer, prompts)]
   for text, tokens in zip(prompts, ids, strict=True):
     if len(tokens) == 0:
       raise ConfigError("the prompt is empty (and add_bos=false); give a prompt or set add_bos=true")

@@ -368,6 +368,8 @@ def _check_training(values: Mapping) -> None:
     )
   if not 0.0 <= values["learning_rate_final_fraction"] <= 1.0:
     raise ConfigError(f"learning_rate_final_fraction={values['learning_rate_final_fraction']} must be in [0, 1]")
+  if values["use_sft"] and values["dataset_type"] == "synthetic":
+    raise ConfigError("use_sft=true trains on conversations; set dataset_type to grain, tfds or hf")
   if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":
     raise ConfigError(f"eval_steps={values['eval_steps']}: synthetic data has no end; set eval_steps to a positive count")
   if values["eval_per_device_batch_size"] < 0:

@@ -9,7 +9,8 @@ where segmentation 0 marks padding and positions restart at 0 in every packed do
   tfds       a prepared TFDS dataset read through tfds.data_source (dataset_path, dataset_name)
   hf         Hugging Face `datasets` on local files (hf_path, hf_data_dir, hf_train_files, hf_eval_files)
 
-The three text sources feed one Grain pipeline (text_pipeline.py): tokenize, pack, batch, global arrays.
+The three text sources feed one Grain pipeline (text_pipeline.py): tokenize, pack, batch, global arrays. With
+use_sft their records are conversations (sft.py), and targets outside the loss get segmentation 0.
 `check(config)` validates paths and the tokenizer before a run writes anything.
 """
 
@@ -43,7 +44,7 @@ def _grain_source(config: Config, train: bool):
   key = "grain_train_files" if train else "grain_eval_files"
   import grain  # Lazy: only text pipelines need Grain.
 
-  return grain.sources.ArrayRecordDataSource(_files(key, getattr(config, key))), None
+  return grain.sources.ArrayRecordDataSource(_files(key, getattr(config, key)))
 
 
 def _tfds_source(config: Config, train: bool):
@@ -62,7 +63,7 @@ def _tfds_source(config: Config, train: bool):
       f"dataset_name={name} dataset_path={path}: no prepared TFDS dataset ({type(e).__name__}: "
       f"{' '.join(str(e).split())[:160]}); prepare it first (e.g. python3 MaxText/build_demo_dataset.py)"
     ) from None
-  return source, config.train_data_column
+  return source
 
 
 def _hf_source(config: Config, train: bool):
@@ -86,10 +87,10 @@ def _hf_source(config: Config, train: bool):
     raise ConfigError(
       f"hf_path={config.hf_path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
     ) from None
-  return source, config.train_data_column
+  return source
 
 
-# dataset_type -> (config, is the train split) -> (random-access documents, the key of the text in a record or None).
+# dataset_type -> (config, is the train split) -> random-access records.
 TEXT_SOURCES = {"grain": _grain_source, "tfds": _tfds_source, "hf": _hf_source}
 DATASET_TYPES = ("synthetic", *TEXT_SOURCES)
 
@@ -98,16 +99,67 @@ def _source(config: Config, split: str):
   return TEXT_SOURCES[config.dataset_type](config, split == "train")
 
 
+def _columns_key(split: str) -> str:
+  return "train_data_columns" if split == "train" else "eval_data_columns"
+
+
+def _text_key(config: Config, split: str) -> str | None:
+  """The column of a document's text in a record (None: ArrayRecord records are the text)."""
+  key = _columns_key(split)
+  columns = getattr(config, key)
+  if len(columns) != 1:
+    raise ConfigError(f"{key}={list(columns)}: a document is one text column; give one, or set use_sft=true")
+  return None if config.dataset_type == "grain" else columns[0]
+
+
+def _conversation(config: Config, split: str):
+  """The sft.Conversation transform of the split's records; raises ConfigError."""
+  from MaxText.input_pipeline import sft
+
+  key = _columns_key(split)
+  columns = sft.check_columns(getattr(config, key), key, config.use_chat_template)
+  template = None
+  if config.use_chat_template:
+    template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
+    sft.compile_template(template)
+  return sft.Conversation(
+    tokenizer_path=os.path.expanduser(config.tokenizer_path),
+    tokenizer_type=config.tokenizer_type,
+    columns=columns,
+    key=key,
+    template=template,
+    completion_only=config.sft_train_on_completion_only,
+    add_bos=config.add_bos,
+    add_eos=config.add_eos,
+  )
+
+
+# Records check() reads through the fine-tuning transform, so a wrong column or an unusable conversation stops the
+# run before it writes anything (a bad record further on stops it when reached).
+CHECKED_RECORDS = 8
+
+
+def _check_split(config: Config, split: str) -> None:
+  source = _source(config, split)
+  if not config.use_sft:
+    _text_key(config, split)
+    return
+  conversation = _conversation(config, split)
+  for i in range(min(len(source), CHECKED_RECORDS)):
+    conversation(source[i])
+
+
 def check(config: Config) -> None:
-  """Raises ConfigError for a missing data path, an empty glob or an unusable tokenizer (before any write)."""
+  """Raises ConfigError for a missing data path, an empty glob, an unusable tokenizer, or fine-tuning records the
+  configuration cannot read (before any write)."""
   if config.dataset_type == "synthetic":
     return
   from MaxText.input_pipeline import tokenizer
 
   tokenizer.check_tokenizer(config)
-  _source(config, "train")
+  _check_split(config, "train")
   if config.eval_interval > 0:
-    _source(config, "eval")
+    _check_split(config, "eval")
     if config.eval_steps < 0 and jax.process_count() > 1:
       raise ConfigError(
         "eval_steps=-1 with several processes: their shares of the eval split may give different batch counts; "
@@ -139,10 +191,14 @@ def _text_iterator(config: Config, mesh, split: str):
   train = split == "train"
   batch = config.global_batch_size if train else config.eval_batch_size
   rows = sharding.local_rows(sharding.batch_sharding(mesh, config), (batch, config.max_target_length))
-  source, text_key = _source(config, split)
+  source = _source(config, split)
+  if config.use_sft:
+    tokenize, text_key = _conversation(config, split), None
+  else:
+    tokenize, text_key = Tokenize.from_config(config), _text_key(config, split)
   dataset = text_pipeline.make_dataset(
     source,
-    tokenize=Tokenize.from_config(config),
+    tokenize=tokenize,
     length=config.max_target_length,
     rows=rows.stop - rows.start,
     seed=config.data_shuffle_seed,
@@ -153,5 +209,7 @@ def _text_iterator(config: Config, mesh, split: str):
     text_key=text_key,
     shuffle=train,
     worker_count=config.grain_worker_count,
+    packing=config.packing,
+    conversations=config.use_sft,
   )
   return text_pipeline.TextIterator(config, mesh, dataset, batch_size=batch)

@@ -8,8 +8,14 @@
        every token of the document is a target exactly once
     -> inputs = piece[:-1], targets = piece[1:]
     -> first-fit packing into rows of max_target_length (Grain's FirstFitPackIterDataset): segment ids
-       1, 2, ... per piece (0 = padding) and positions restarting at 0 in every piece
+       1, 2, ... per piece (0 = padding) and positions restarting at 0 in every piece; packing=false pads
+       each piece to its own row instead
     -> batches of this process's rows -> one global jax.Array per key.
+
+Fine-tuning data (use_sft) takes another road from the record to the pieces: sft.Conversation renders and
+tokenizes a conversation with the mask of the tokens the loss sees, a conversation longer than max_target_length
++ 1 tokens is cut there (its end is lost, as in MaxText), and targets outside the mask get segment id 0, so the
+loss skips them while attention still sees their tokens.
 
 The Grain iterator's state (a small dict) is what a checkpoint stores to resume exactly. This module is
 imported only by runs that read text, so the synthetic path never imports Grain or a tokenizer library.
@@ -50,8 +56,42 @@ class Pieces(grain_experimental.FlatMapTransform):
     return [{"inputs": piece[:-1], "targets": piece[1:]} for piece in pieces]
 
 
+def _has_target(example: dict) -> bool:
+  return len(example["tokens"]) > 1
+
+
+class Shift(grain.transforms.Map):
+  """{"tokens", "mask"} of a conversation -> {"inputs", "targets", "targets_mask"}, cut to `length` targets."""
+
+  def __init__(self, length: int):
+    self.length = length
+
+  def map(self, example: dict) -> dict:
+    tokens, mask = example["tokens"][: self.length + 1], example["mask"][: self.length + 1]
+    return {"inputs": tokens[:-1], "targets": tokens[1:], "targets_mask": mask[1:]}
+
+
+class Pad(grain.transforms.Map):
+  """One example -> one row of `length`, with the keys packing gives: segment id 1 over the example, 0 after."""
+
+  def __init__(self, length: int):
+    self.length = length
+
+  def map(self, example: dict) -> dict:
+    row = {}
+    for key, values in example.items():
+      n = len(values)
+      row[key] = np.pad(values, (0, self.length - n))
+      row[f"{key}_segment_ids"] = (np.arange(self.length) < n).astype(np.int32)
+      row[f"{key}_positions"] = np.where(np.arange(self.length) < n, np.arange(self.length), 0).astype(np.int32)
+    return row
+
+
 def _rename(batch: dict) -> dict:
-  return {ours: np.asarray(batch[theirs], np.int32) for theirs, ours in _RENAME.items()}
+  ours = {ours: np.asarray(batch[theirs], np.int32) for theirs, ours in _RENAME.items()}
+  if "targets_mask" in batch:  # fine-tuning: targets outside the mask are not in the loss
+    ours["targets_segmentation"] *= np.asarray(batch["targets_mask"], np.int32)
+  return ours
 
 
 def make_dataset(
@@ -68,10 +108,13 @@ def make_dataset(
   shuffle: bool = True,
   worker_count: int = 0,
   max_document_tokens: int = 1 << 20,
+  packing: bool = True,
+  conversations: bool = False,
 ):
   """The Grain IterDataset of this process's batches: dicts of [rows, length] int32 arrays (our BATCH_KEYS).
 
   source: a random-access sequence of documents (str/bytes, or dicts holding the text under text_key).
+  tokenize: a document -> its tokens; with conversations=True a record -> sft.Conversation's {"tokens", "mask"}.
   """
   dataset = grain.MapDataset.source(source)[process_index::process_count]
   if shuffle:
@@ -80,13 +123,17 @@ def make_dataset(
   if text_key is not None:
     dataset = dataset.map(operator.itemgetter(text_key))
   dataset = dataset.map(tokenize).to_iter_dataset()
-  dataset = grain_experimental.FlatMapIterDataset(dataset, Pieces(length, max_document_tokens // length + 1))
-  dataset = grain_experimental.FirstFitPackIterDataset(
-    dataset,
-    length_struct={"inputs": length, "targets": length},
-    num_packing_bins=rows,
-    shuffle_bins=False,
-  )
+  if conversations:
+    dataset = dataset.filter(_has_target).map(Shift(length))
+  else:
+    dataset = grain_experimental.FlatMapIterDataset(dataset, Pieces(length, max_document_tokens // length + 1))
+  if packing:
+    keys = ("inputs", "targets", "targets_mask") if conversations else ("inputs", "targets")
+    dataset = grain_experimental.FirstFitPackIterDataset(
+      dataset, length_struct=dict.fromkeys(keys, length), num_packing_bins=rows, shuffle_bins=False
+    )
+  else:
+    dataset = dataset.map(Pad(length))
   dataset = dataset.batch(rows, drop_remainder=True).map(_rename)
   if worker_count > 0:
     from absl import flags  # Grain's workers read absl flags, which a non-absl program never parses.

@@ -30,7 +30,12 @@ _FILES = {
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-  """A loaded tokenizer, whatever its library. `encode` adds no special tokens; an absent special token's id is -1."""
+  """A loaded tokenizer, whatever its library. `encode` adds no special tokens; an absent special token's id is -1.
+
+  Chat templates write special tokens as text: `special_tokens` holds their strings under the names templates use
+  ("bos_token", "eos_token", ...), and `encode_with_specials` reads those strings (all the tokenizer's special
+  tokens) as the tokens themselves, as transformers' apply_chat_template does.
+  """
 
   encode: Callable[[str], list[int]]
   decode: Callable[[Sequence[int]], str]
@@ -38,6 +43,25 @@ class Tokenizer:
   eos_id: int
   pad_id: int
   vocab_size: int  # one more than the largest id, special tokens included
+  special_tokens: dict[str, str]
+  encode_with_specials: Callable[[str], list[int]]
+
+
+def _split_specials(encode: Callable[[str], list[int]], ids: dict[str, int]) -> Callable[[str], list[int]]:
+  """An encoder reading each string of `ids` (special token text -> id) as its token, the rest with `encode`."""
+  if not ids:
+    return encode
+  pattern = re.compile("|".join(re.escape(token) for token in sorted(ids, key=len, reverse=True)))
+
+  def encode_with_specials(text: str) -> list[int]:
+    out, start = [], 0
+    for match in pattern.finditer(text):
+      out += encode(text[start : match.start()]) if match.start() > start else []
+      out.append(ids[match.group()])
+      start = match.end()
+    return out + (encode(text[start:]) if start < len(text) else [])
+
+  return encode_with_specials
 
 
 def looks_like(path: str) -> str | None:
@@ -68,13 +92,23 @@ def _sentencepiece(path: str) -> Tokenizer:
     model = spm.SentencePieceProcessor(model_file=path)
   except (OSError, RuntimeError) as e:
     raise _wrong_file(path, "sentencepiece", e) from None
+  encode = lambda text: model.encode(text, out_type=int)  # noqa: E731
+  named = {
+    "bos_token": model.bos_id(),
+    "eos_token": model.eos_id(),
+    "unk_token": model.unk_id(),
+    "pad_token": model.pad_id(),
+  }
+  specials = {name: model.id_to_piece(i) for name, i in named.items() if i >= 0}
   return Tokenizer(
-    encode=lambda text: model.encode(text, out_type=int),
+    encode=encode,
     decode=model.decode,
     bos_id=model.bos_id(),
     eos_id=model.eos_id(),
     pad_id=model.pad_id(),
     vocab_size=model.get_piece_size(),
+    special_tokens=specials,
+    encode_with_specials=_split_specials(encode, {specials[n]: named[n] for n in specials if n != "unk_token"}),
   )
 
 
@@ -148,11 +182,15 @@ def _tiktoken(path: str) -> Tokenizer:
     eos_id=specials["<|end_of_text|>"],
     pad_id=-1,
     vocab_size=encoding.n_vocab,
+    special_tokens={"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
+    encode_with_specials=lambda text: [
+      t for piece in _pieces(text) for t in encoding.encode(piece, allowed_special="all", disallowed_special=())
+    ],
   )
 
 
 def _special_tokens(config_path: str) -> dict[str, str]:
-  """{"bos": token, "eos": ..., "pad": ...} named by a tokenizer_config.json (strings or {"content": ...})."""
+  """{"bos": token, "eos": ..., "pad": ..., "unk": ...} named by a tokenizer_config.json (strings or {"content": ...})."""
   if not os.path.isfile(config_path):
     return {}
   try:
@@ -161,7 +199,7 @@ def _special_tokens(config_path: str) -> dict[str, str]:
   except (OSError, ValueError) as e:
     raise ConfigError(f"{config_path} is not a JSON file ({' '.join(str(e).split())[:120]}); fix or remove it") from None
   tokens = {}
-  for name in ("bos", "eos", "pad"):
+  for name in ("bos", "eos", "pad", "unk"):
     token = values.get(f"{name}_token") if isinstance(values, dict) else None
     token = token.get("content") if isinstance(token, dict) else token
     if token is not None:
@@ -178,17 +216,23 @@ def _huggingface(path: str) -> Tokenizer:
     raise _wrong_file(path, "huggingface", e) from None
   config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
   ids = {}
-  for name, token in _special_tokens(config_path).items():
+  tokens = _special_tokens(config_path)
+  for name, token in list(tokens.items()):
     ids[name] = model.token_to_id(token)
-    if ids[name] is None:
+    if ids[name] is None and name == "unk":  # only chat templates read it, and none relies on it
+      del tokens[name], ids[name]
+    elif ids[name] is None:
       raise ConfigError(f"{config_path} names {name}_token={token!r}, which {path} lacks; fix one of the two files")
+  encode = lambda text: model.encode(text, add_special_tokens=False).ids  # noqa: E731
   return Tokenizer(
-    encode=lambda text: model.encode(text, add_special_tokens=False).ids,
+    encode=encode,
     decode=model.decode,
     bos_id=ids.get("bos", -1),
     eos_id=ids.get("eos", -1),
     pad_id=ids.get("pad", -1),
     vocab_size=max(model.get_vocab(with_added_tokens=True).values(), default=-1) + 1,
+    special_tokens={f"{name}_token": token for name, token in tokens.items()},
+    encode_with_specials=encode,  # tokenizers reads added tokens in text as the tokens (transformers' default)
   )
 
 
