@@ -436,7 +436,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
     params = _restore_tree(path, {"params": layout.abstract.params})["params"]
-    return StartingPoint(state_from_params(params, tx, layout), f"params from {config.load_parameters_path}")
+    return StartingPoint(state_from_params(params, tx, layout, config), f"params from {config.load_parameters_path}")
   return StartingPoint(init_state(model, config, tx, layout), f"fresh init (seed {config.init_weights_seed})")
 
 

@@ -102,9 +102,11 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
   (2*E*H*Dqk, or 2*E*Rq + 2*Rq*H*Dqk through q_lora_rank Rq), wkv_a 2*E*(Rkv + Drope), wkv_b
   2*Rkv*H*(Dnope + Dv) and out 2*H*Dv*E; and attention 2*L*H*(Dqk + Dv), halved likewise.
   Training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not
-  counted: these are model FLOPs, so MFU is comparable across remat policies.
+  counted: these are model FLOPs, so MFU is comparable across remat policies. DPO (use_dpo) trains on two
+  sequences per row (chosen and rejected) and runs the reference model forward on both: 2 x (3 + 1) forwards.
   """
   tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
+  tokens *= 2 * 4 / 3 if config.use_dpo else 1
   e, h, kv, d, m = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
   layers, length = config.num_decoder_layers, config.max_target_length
   mlp_matmuls = len(config.mlp_activations) + 1
@@ -153,7 +155,8 @@ class StepClock:
   def __init__(self, config: Config, device_kind: str, first_step: int, process_start: float):
     self.flops = training_flops_per_device(config)
     self.peak = peak_tflops(device_kind, config.cpu_peak_tflops)
-    self.tokens_per_device = config.global_batch_size * config.max_target_length / config.num_devices
+    sequences = 2 if config.use_dpo else 1  # DPO's rows hold a chosen and a rejected sequence
+    self.tokens_per_device = sequences * config.global_batch_size * config.max_target_length / config.num_devices
     self.process_start = process_start
     self.last_time, self.last_step = time.time(), first_step
     self.time_to_first_step: float | None = None

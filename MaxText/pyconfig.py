@@ -370,6 +370,17 @@ def _check_training(values: Mapping) -> None:
     raise ConfigError(f"learning_rate_final_fraction={values['learning_rate_final_fraction']} must be in [0, 1]")
   if values["use_sft"] and values["dataset_type"] == "synthetic":
     raise ConfigError("use_sft=true trains on conversations; set dataset_type to grain, tfds or hf")
+  if values["use_dpo"]:
+    if values["use_sft"]:
+      raise ConfigError("use_dpo=true and use_sft=true: DPO trains on preference pairs, SFT on conversations; set one")
+    if values["dataset_type"] == "synthetic":
+      raise ConfigError("use_dpo=true trains on preference pairs; set dataset_type to grain, tfds or hf")
+    if values["dpo_beta"] <= 0 or not 0.0 <= values["dpo_label_smoothing"] <= 0.5:
+      raise ConfigError(
+        f"dpo_beta={values['dpo_beta']} must be > 0 and dpo_label_smoothing={values['dpo_label_smoothing']} in [0, 0.5]"
+      )
+    if values["num_vocab_tiling"] > 1:
+      raise ConfigError(f"num_vocab_tiling={values['num_vocab_tiling']}: DPO computes whole logits; set num_vocab_tiling=1")
   if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":
     raise ConfigError(f"eval_steps={values['eval_steps']}: synthetic data has no end; set eval_steps to a positive count")
   if values["eval_per_device_batch_size"] < 0:

@@ -24,6 +24,15 @@ class TrainState:
   step: jax.Array  # number of completed optimizer steps
   params: dict
   opt_state: optax.OptState
+  # use_dpo: the frozen parameters the run started from (DPO's reference model), saved with the state so a resumed
+  # run compares against the same model. None otherwise.
+  reference_params: dict | None = None
+
+
+def _reference(config: Config, params):
+  """The reference model's parameters for a state around `params`: a copy with use_dpo (never the same buffers,
+  which the train step donates), else None."""
+  return jax.tree_util.tree_map(lambda x: x.copy(), params) if config.use_dpo else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +63,12 @@ def _batch_shards(config: Config) -> int:
 
 def _boxed_state(model, config, tx, rng) -> TrainState:
   params = init_params(model, config, rng)
-  return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=_boxed_opt_state(tx, params))
+  return TrainState(
+    step=jax.numpy.zeros((), jax.numpy.int32),
+    params=params,
+    opt_state=_boxed_opt_state(tx, params),
+    reference_params=_reference(config, params),
+  )
 
 
 def _boxed_opt_state(tx, params):
@@ -118,10 +132,13 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
   return init.lower(rng).compile(options)(rng)
 
 
-def state_from_params(params, tx, layout: StateLayout) -> TrainState:
-  """A train state at step 0 around given params: a fresh optimizer state."""
+def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainState:
+  """A train state at step 0 around given params: a fresh optimizer state (and with use_dpo, the params again as
+  the reference model)."""
   fresh = jax.jit(
-    lambda p: TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=p, opt_state=tx.init(p)),
+    lambda p: TrainState(
+      step=jax.numpy.zeros((), jax.numpy.int32), params=p, opt_state=tx.init(p), reference_params=_reference(config, p)
+    ),
     out_shardings=layout.shardings,
   )
   return fresh(params)

@@ -11,6 +11,7 @@ _PROCESS_START = time.time()
 import concurrent.futures  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -64,16 +65,90 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
     xent = jnp.sum(jnp.where(mask_BL, cross_entropy(outputs, batch["targets"]), 0.0))
   aux = {"tokens": tokens, "xent": xent}
   if config.num_experts > 1:
-    # The router's load-balancing loss is a mean over layers of a per-token mean (layers/moe.py), added to the
-    # mean cross-entropy as in MaxText; scaled by the tokens, it adds up over micro-batches as the sum does.
-    lb_loss = jnp.mean(jnp.concatenate([jnp.ravel(v) for v in _sown(sown, "moe_lb_loss")]))
-    aux["moe_lb_loss"] = config.load_balance_loss_weight * lb_loss * tokens.astype(jnp.float32)
-    if config.capacity_factor > 0:
-      aux["moe_dropped"] = sum(jnp.sum(v) for v in _sown(sown, "moe_dropped"))
-    if config.routed_bias and config.routed_bias_update_rate > 0:
-      aux["moe_expert_counts"] = _expert_counts(sown)
+    aux.update(_moe_aux(config, sown, tokens))
     return xent + aux["moe_lb_loss"], aux
   return xent, aux
+
+
+def dpo_loss_fn(model, params, reference_params, batch, dropout_rng, deterministic=False):
+  """Direct preference optimization (Rafailov et al. 2023, arXiv:2305.18290), with label smoothing (cDPO):
+
+    d = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
+    loss = -(1 - dpo_label_smoothing) * log sigmoid(dpo_beta * d) - dpo_label_smoothing * log sigmoid(-dpo_beta * d)
+
+  log p(response) sums the log-probabilities of a response's target tokens (targets_segmentation != 0). The
+  reference model is `reference_params` under stop_gradient, without dropout.
+
+  batch: BATCH_KEYS prefixed chosen_ and rejected_, packed in lockstep: segment s of chosen row r and of rejected
+  row r are one pair. Returns (summed loss over pairs, aux) with aux["tokens"] the number of pairs (the step's
+  denominator) and the sums of the rewards beta * (log pi - log ref) of chosen and rejected responses, of the
+  margins and of the pairs the policy ranks right (loss_fn's moe_* entries too, for mixtures of experts).
+  """
+  config = model.config
+  both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in input_pipeline.BATCH_KEYS}
+  args = (both["inputs"], both["inputs_segmentation"], both["inputs_position"])
+  logits, sown = model.apply(
+    {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
+  )
+  reference_logits, _ = model.apply(
+    {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
+  )
+  loss, aux = dpo_loss_from_logits(config, logits, jax.lax.stop_gradient(reference_logits), both)
+  if config.num_experts > 1:
+    aux.update(_moe_aux(config, sown, aux["tokens"]))
+    loss += aux["moe_lb_loss"]
+  return loss, aux
+
+
+def dpo_loss_from_logits(config: Config, logits, reference_logits, both) -> tuple[jax.Array, dict]:
+  """dpo_loss_fn's loss and aux from the policy's and the reference's logits over `both`: the BATCH_KEYS of the
+  chosen rows followed by the rejected rows."""
+  policy, present = _sequence_logps(logits, both)
+  reference, _ = _sequence_logps(reference_logits, both)
+  half = policy.shape[0] // 2  # chosen pairs, then rejected ones, in the same order
+  rewards = config.dpo_beta * (policy - reference)
+  chosen, rejected, present = rewards[:half], rewards[half:], present[:half]
+  margin = chosen - rejected
+  smoothing = config.dpo_label_smoothing
+  losses = -(1.0 - smoothing) * jax.nn.log_sigmoid(margin) - smoothing * jax.nn.log_sigmoid(-margin)
+
+  def total(x):
+    return jnp.sum(jnp.where(present, x, 0.0))
+
+  aux = {
+    "tokens": jnp.sum(present),
+    "dpo_rewards_chosen": total(chosen),
+    "dpo_rewards_rejected": total(rejected),
+    "dpo_reward_margin": total(margin),
+    "dpo_reward_accuracy": total((margin > 0).astype(jnp.float32)),
+  }
+  return total(losses), aux
+
+
+def _sequence_logps(logits, batch) -> tuple[jax.Array, jax.Array]:
+  """(summed log-probabilities of the masked targets, whether the sequence exists), per (row, segment id) of a
+  packed batch: [rows * (length + 1)] each, row r's segment s at r * (length + 1) + s."""
+  rows, length = batch["targets"].shape
+  logps = -cross_entropy(logits, batch["targets"])
+  ids = (jnp.arange(rows)[:, None] * (length + 1) + batch["inputs_segmentation"]).ravel()
+  masked = jnp.where(batch["targets_segmentation"] != 0, logps, 0.0).ravel()
+  sums = jax.ops.segment_sum(masked, ids, num_segments=rows * (length + 1))
+  real = (batch["inputs_segmentation"] != 0).astype(jnp.int32).ravel()
+  exists = jax.ops.segment_sum(real, ids, num_segments=rows * (length + 1))
+  return sums, exists > 0
+
+
+def _moe_aux(config: Config, sown: dict, weight: jax.Array) -> dict:
+  """A mixture of experts' additions to loss_fn's aux (see there); the load-balancing loss scaled by `weight`."""
+  # The router's load-balancing loss is a mean over layers of a per-token mean (layers/moe.py), added to the
+  # mean loss as in MaxText; scaled by the loss's weight, it adds up over micro-batches as the sum does.
+  lb_loss = jnp.mean(jnp.concatenate([jnp.ravel(v) for v in _sown(sown, "moe_lb_loss")]))
+  aux = {"moe_lb_loss": config.load_balance_loss_weight * lb_loss * weight.astype(jnp.float32)}
+  if config.capacity_factor > 0:
+    aux["moe_dropped"] = sum(jnp.sum(v) for v in _sown(sown, "moe_dropped"))
+  if config.routed_bias and config.routed_bias_update_rate > 0:
+    aux["moe_expert_counts"] = _expert_counts(sown)
+  return aux
 
 
 def _expert_counts(sown: dict) -> dict[tuple[str, ...], jax.Array]:
@@ -165,7 +240,11 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   target tokens, so k micro-batches of b rows give the same update as one batch of k*b rows.
   """
   dropout_rng = jax.random.fold_in(jax.random.key(config.init_weights_seed), state.step)
-  grad_fn = jax.value_and_grad(lambda p, b, r: loss_fn(model, p, b, r), has_aux=True)
+  if config.use_dpo:
+    loss = functools.partial(dpo_loss_fn, model, reference_params=state.reference_params)
+  else:
+    loss = functools.partial(loss_fn, model)
+  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=p, batch=b, dropout_rng=r), has_aux=True)
   k = config.gradient_accumulation_steps
   if k == 1:
     (loss_sum, aux), grads = grad_fn(state.params, batch, dropout_rng)
@@ -182,7 +261,7 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
-    aux_shapes = jax.eval_shape(lambda p, b: loss_fn(model, p, b, dropout_rng)[1], state.params, first)
+    aux_shapes = jax.eval_shape(lambda p, b: loss(params=p, batch=b, dropout_rng=dropout_rng)[1], state.params, first)
     aux_zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
     init = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
@@ -206,30 +285,44 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
     step_metrics["learning/moe_lb_loss"] = aux["moe_lb_loss"] / denominator
   if "moe_dropped" in aux:
     step_metrics["learning/moe_dropped_tokens"] = aux["moe_dropped"]
+  for name in DPO_METRICS:
+    if name in aux:  # per pair
+      step_metrics[f"learning/{name}"] = aux[name] / denominator
   return new_state, step_metrics
 
 
-def eval_step(model, params, batch):
-  """(summed float32 cross-entropy, number of non-padding targets) of one eval batch, no dropout."""
+# DPO's sums in aux that train and eval metrics report per pair.
+DPO_METRICS = ("dpo_rewards_chosen", "dpo_rewards_rejected", "dpo_reward_margin", "dpo_reward_accuracy")
+
+
+def eval_step(model, params, reference_params, batch):
+  """(summed float32 loss, its weight: non-padding targets, or DPO's pairs, {DPO metric: sum}) of one eval batch,
+  no dropout. The loss is the cross-entropy (no MoE load-balancing term), or DPO's loss."""
+  if model.config.use_dpo:
+    loss, aux = dpo_loss_fn(model, params, reference_params, batch, jax.random.key(0), deterministic=True)
+    return loss - aux.get("moe_lb_loss", 0.0), aux["tokens"], {k: aux[k] for k in DPO_METRICS}
   _, aux = loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
-  return aux["xent"], aux["tokens"]
+  return aux["xent"], aux["tokens"], {}
 
 
-def evaluate(config: Config, mesh, eval_fn, params) -> dict[str, float]:
-  """Mean loss per non-padding target token over eval_steps batches (-1: one pass over the split)."""
-  loss_sum, tokens = 0.0, 0
+def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState) -> dict[str, float]:
+  """Mean loss per non-padding target token (DPO: per pair, with its metrics) over eval_steps batches (-1: one
+  pass over the split)."""
+  loss_sum, weight, sums = 0.0, 0, {}
   batches = input_pipeline.create_eval_iterator(config, mesh)
   for i, batch in enumerate(batches):
     if i == config.eval_steps:
       break
-    batch_loss, batch_tokens = jax.device_get(eval_fn(params, batch))
-    loss_sum, tokens = loss_sum + float(batch_loss), tokens + int(batch_tokens)
-  if tokens == 0:
+    batch_loss, batch_weight, batch_sums = jax.device_get(eval_fn(state.params, state.reference_params, batch))
+    loss_sum, weight = loss_sum + float(batch_loss), weight + int(batch_weight)
+    sums = {k: sums.get(k, 0.0) + float(v) for k, v in batch_sums.items()}
+  if weight == 0:
     raise TrainingError(
       "the evaluation split gave no full batch; lower eval_per_device_batch_size or give more eval documents"
     )
-  avg = loss_sum / tokens
-  return {"eval/avg_loss": avg, "eval/perplexity": math.exp(min(avg, 700.0)), "eval/total_weights": tokens}
+  avg = loss_sum / weight
+  scalars = {"eval/avg_loss": avg, "eval/perplexity": math.exp(min(avg, 700.0)), "eval/total_weights": weight}
+  return scalars | {f"eval/{k}": v / weight for k, v in sums.items()}
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -401,7 +494,7 @@ def jit_train_step(config: Config, mesh, *, model, schedule, tx, layout: state_l
   batch_shape = jax.ShapeDtypeStruct(
     (config.global_batch_size, config.max_target_length), jnp.int32, sharding=batch_sharding
   )
-  return JittedStep(step_fn, layout.abstract, dict.fromkeys(input_pipeline.BATCH_KEYS, batch_shape))
+  return JittedStep(step_fn, layout.abstract, dict.fromkeys(input_pipeline.batch_keys(config), batch_shape))
 
 
 def compile_step(lowered: jax.stages.Lowered, mesh) -> jax.stages.Compiled:
@@ -435,9 +528,10 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
   num_params = metrics.count_params(layout.abstract.params)
   origin = start.source if start.resumed else f"starting from {start.source}"
   cli.log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; {origin}")
+  batch_sharding = sharding.batch_sharding(mesh, config)
   eval_fn = jax.jit(
-    lambda p, b: eval_step(model, p, b),
-    in_shardings=(layout.shardings.params, step.abstract_batch["inputs"].sharding),
+    lambda p, r, b: eval_step(model, p, r, b),
+    in_shardings=(layout.shardings.params, layout.shardings.reference_params, batch_sharding),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )
   return Run(
@@ -506,7 +600,7 @@ def _loop(run: Run) -> TrainSummary:
       writer.write(step, scalars)
       if evaluate:
         with goodput.waiting("evaluation"):
-          summary.last_eval = _evaluate_and_log(run, state.params, step, writer)
+          summary.last_eval = _evaluate_and_log(run, state, step, writer)
       if save:
         with goodput.waiting("checkpoint"):
           _save(run, state, completed)
@@ -572,12 +666,19 @@ def _check_finite(scalars: dict, step: int, config: Config, manager) -> None:
     )
 
 
-def _evaluate_and_log(run: Run, params, step: int, writer: metrics.MetricWriter) -> dict[str, float]:
-  scalars = evaluate(run.config, run.mesh, run.eval_fn, params)
-  cli.log(
-    f"eval after step {step}: loss {scalars['eval/avg_loss']:.4f}, perplexity {scalars['eval/perplexity']:.2f} "
-    f"over {scalars['eval/total_weights']} tokens"
-  )
+def _evaluate_and_log(run: Run, state: state_lib.TrainState, step: int, writer: metrics.MetricWriter) -> dict:
+  scalars = evaluate(run.config, run.mesh, run.eval_fn, state)
+  if run.config.use_dpo:
+    cli.log(
+      f"eval after step {step}: DPO loss {scalars['eval/avg_loss']:.4f}, reward accuracy "
+      f"{scalars['eval/dpo_reward_accuracy']:.3f}, margin {scalars['eval/dpo_reward_margin']:.4f} "
+      f"over {scalars['eval/total_weights']} pairs"
+    )
+  else:
+    cli.log(
+      f"eval after step {step}: loss {scalars['eval/avg_loss']:.4f}, perplexity {scalars['eval/perplexity']:.2f} "
+      f"over {scalars['eval/total_weights']} tokens"
+    )
   writer.write(step, scalars)
   return scalars
 

@@ -25,6 +25,13 @@ from MaxText.input_pipeline.synthetic import SyntheticIterator
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
 
 
+def batch_keys(config: Config) -> tuple[str, ...]:
+  """The keys of a batch: BATCH_KEYS, or with use_dpo each of them for the chosen and the rejected responses."""
+  if config.use_dpo:
+    return tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in BATCH_KEYS)
+  return BATCH_KEYS
+
+
 def _files(key: str, pattern: str) -> list[str]:
   if not pattern:
     raise ConfigError(f"{key} is empty; give a glob of data files, e.g. ~/maxtext_data/demo/array_record/train/*")
@@ -117,12 +124,15 @@ def _conversation(config: Config, split: str):
   from MaxText.input_pipeline import sft
 
   key = _columns_key(split)
-  columns = sft.check_columns(getattr(config, key), key, config.use_chat_template)
+  if config.use_dpo:
+    columns = sft.check_preference_columns(getattr(config, key), key)
+  else:
+    columns = sft.check_columns(getattr(config, key), key, config.use_chat_template)
   template = None
   if config.use_chat_template:
     template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
     sft.compile_template(template)
-  return sft.Conversation(
+  return (sft.Preference if config.use_dpo else sft.Conversation)(
     tokenizer_path=os.path.expanduser(config.tokenizer_path),
     tokenizer_type=config.tokenizer_type,
     columns=columns,
@@ -141,7 +151,7 @@ CHECKED_RECORDS = 8
 
 def _check_split(config: Config, split: str) -> None:
   source = _source(config, split)
-  if not config.use_sft:
+  if not (config.use_sft or config.use_dpo):
     _text_key(config, split)
     return
   conversation = _conversation(config, split)
@@ -192,7 +202,7 @@ def _text_iterator(config: Config, mesh, split: str):
   batch = config.global_batch_size if train else config.eval_batch_size
   rows = sharding.local_rows(sharding.batch_sharding(mesh, config), (batch, config.max_target_length))
   source = _source(config, split)
-  if config.use_sft:
+  if config.use_sft or config.use_dpo:
     tokenize, text_key = _conversation(config, split), None
   else:
     tokenize, text_key = Tokenize.from_config(config), _text_key(config, split)
@@ -210,6 +220,6 @@ def _text_iterator(config: Config, mesh, split: str):
     shuffle=train,
     worker_count=config.grain_worker_count,
     packing=config.packing,
-    conversations=config.use_sft,
+    examples="preferences" if config.use_dpo else "conversations" if config.use_sft else "documents",
   )
   return text_pipeline.TextIterator(config, mesh, dataset, batch_size=batch)

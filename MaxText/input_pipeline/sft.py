@@ -30,6 +30,7 @@ from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 COLUMN_SETS = (("messages",), ("prompt", "completion"), ("question", "answer"))
+PREFERENCE_COLUMN_SETS = (("prompt", "chosen", "rejected"), ("chosen", "rejected"))
 ROLES = ("system", "user", "assistant", "tool")
 
 # For tokenizers without a chat template of their own (SentencePiece and tiktoken files carry none):
@@ -46,6 +47,14 @@ FALLBACK_TEMPLATE = (
   "{% endfor %}"
   "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+
+
+def check_preference_columns(columns, key: str) -> tuple[str, ...]:
+  columns = tuple(columns)
+  if columns not in PREFERENCE_COLUMN_SETS:
+    sets = " or ".join(str(list(s)) for s in PREFERENCE_COLUMN_SETS)
+    raise ConfigError(f"{key}={list(columns)} does not name preference pairs for use_dpo=true; give {sets}")
+  return columns
 
 
 def check_columns(columns, key: str, use_chat_template: bool) -> tuple[str, ...]:
@@ -168,10 +177,16 @@ class Conversation:
     self.__dict__.update(state)
     self._loaded = None
 
-  def __call__(self, record) -> dict[str, np.ndarray]:
+  def _load(self) -> None:
     if self._loaded is None:
       tokenizer = tokenizer_lib.load(self.tokenizer_path, self.tokenizer_type)
       self._loaded = (tokenizer, compile_template(self.template) if self.template is not None else None)
+
+  def _tokens_of(self, turns: list[dict], add_generation_prompt: bool) -> list[int]:
+    return render(self._loaded[1], self._loaded[0], turns, add_generation_prompt)
+
+  def __call__(self, record) -> dict[str, np.ndarray]:
+    self._load()
     turns = self.turns(record)
     if self.template is None:
       tokens, mask = self._plain(turns)
@@ -181,8 +196,8 @@ class Conversation:
       mask = [1] * len(tokens)
     return {"tokens": np.asarray(tokens, np.int32), "mask": np.asarray(mask, np.int32)}
 
-  def turns(self, record) -> list[dict]:
-    """The record's conversation as validated {"role", "content"} turns; raises ConfigError."""
+  def values(self, record) -> dict:
+    """The record's columns (bytes decoded); raises ConfigError."""
     if isinstance(record, bytes):
       try:
         record = json.loads(record)
@@ -196,7 +211,11 @@ class Conversation:
         f"{self.key}={list(self.columns)}: a record has no column {missing[0]!r} (it has {sorted(record)}); "
         f"set {self.key} to the record's columns"
       )
-    values = {c: _text(record[c]) for c in self.columns}
+    return {c: _text(record[c]) for c in self.columns}
+
+  def turns(self, record) -> list[dict]:
+    """The record's conversation as validated {"role", "content"} turns; raises ConfigError."""
+    values = self.values(record)
     if self.columns == ("messages",):
       turns = values["messages"]
     else:
@@ -211,9 +230,7 @@ class Conversation:
     return bos + prompt + completion + eos, [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + len(eos))
 
   def _templated(self, turns: list[dict]) -> tuple[list[int], list[int]]:
-    def tokens_of(turns, add_generation_prompt):
-      return render(self._loaded[1], self._loaded[0], turns, add_generation_prompt)
-
+    tokens_of = self._tokens_of
     tokens = tokens_of(turns, add_generation_prompt=False)
     mask = [0] * len(tokens)
     for k, turn in enumerate(turns):
@@ -230,6 +247,60 @@ class Conversation:
     return tokens, mask
 
 
+@dataclasses.dataclass
+class Preference(Conversation):
+  """DPO's transform: a record -> {"chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask"}, each mask
+  covering its response (the tokens after the prompt, its end-of-turn or EOS included).
+
+  Columns: prompt, chosen, rejected (strings, or with a chat template lists of turns: the prompt's, then each
+  response's assistant turns), or chosen, rejected alone: two whole conversations whose common tokens are the prompt.
+  """
+
+  def __call__(self, record) -> dict[str, np.ndarray]:
+    self._load()
+    values = self.values(record)
+    if "prompt" in values:
+      prompt = self._as_turns(values["prompt"], "user", "prompt")
+      pairs = [self._after_prompt(prompt, self._as_turns(values[c], "assistant", c)) for c in ("chosen", "rejected")]
+    else:
+      whole = [self._whole(values[c], c) for c in ("chosen", "rejected")]
+      start = _common_prefix(*whole)
+      pairs = [(tokens, start) for tokens in whole]
+    out = {}
+    for name, (tokens, start) in zip(("chosen", "rejected"), pairs, strict=True):
+      if start >= len(tokens):
+        raise ConfigError(
+          f"{self.key}: a record's {name} response has no tokens after its prompt ({_short(values[name])}); "
+          "give chosen and rejected responses that differ from the prompt"
+        )
+      out[f"{name}_tokens"] = np.asarray(tokens, np.int32)
+      out[f"{name}_mask"] = (np.arange(len(tokens)) >= start).astype(np.int32)
+    return out
+
+  def _as_turns(self, value, role: str, column: str) -> list[dict] | str:
+    if isinstance(value, str):
+      return value if self.template is None else [{"role": role, "content": value}]
+    if self.template is None:
+      raise ConfigError(f"{self.key}: column {column!r} holds turns, which need a chat template; set use_chat_template=true")
+    return _check_turns(value, self.key, need_assistant=role == "assistant")
+
+  def _after_prompt(self, prompt, response) -> tuple[list[int], int]:
+    tok = self._loaded[0]
+    if self.template is None:
+      head = [tok.bos_id] * self.add_bos + tok.encode(prompt)
+      return head + tok.encode(response) + [tok.eos_id] * self.add_eos, len(head)
+    tokens = self._tokens_of(prompt + response, add_generation_prompt=False)
+    return tokens, _common_prefix(tokens, self._tokens_of(prompt, add_generation_prompt=True))
+
+  def _whole(self, value, column: str) -> list[int]:
+    tok = self._loaded[0]
+    if self.template is not None:
+      return self._tokens_of(self._as_turns(value, "assistant", column), add_generation_prompt=False)
+    if not isinstance(value, str):
+      self._as_turns(value, "assistant", column)  # raises: turns need a template
+    return [tok.bos_id] * self.add_bos + tok.encode(value) + [tok.eos_id] * self.add_eos
+
+
 def _text(value):
   """Bytes (TFDS) -> str, through lists and dicts."""
   if isinstance(value, bytes):
@@ -241,7 +312,7 @@ def _text(value):
   return value
 
 
-def _check_turns(turns, key: str) -> list[dict]:
+def _check_turns(turns, key: str, need_assistant: bool = True) -> list[dict]:
   if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
     raise ConfigError(f"{key}: a conversation is not a list of {{'role', 'content'}} turns")
   for i, turn in enumerate(turns):
@@ -251,7 +322,7 @@ def _check_turns(turns, key: str) -> list[dict]:
       )
     if turn["role"] == "system" and i > 0:
       raise ConfigError(f"{key}: a conversation has a system turn at position {i}; only the first turn may be one")
-  if not any(t["role"] == "assistant" for t in turns):
+  if need_assistant and not any(t["role"] == "assistant" for t in turns):
     raise ConfigError(f"{key}: a conversation has no assistant turn ({_short(turns)}); SFT trains on assistant turns")
   return [{k: v for k, v in t.items() if v is not None} for t in turns]  # transformers drops None values too
 

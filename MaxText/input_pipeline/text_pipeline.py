@@ -56,19 +56,35 @@ class Pieces(grain_experimental.FlatMapTransform):
     return [{"inputs": piece[:-1], "targets": piece[1:]} for piece in pieces]
 
 
-def _has_target(example: dict) -> bool:
-  return len(example["tokens"]) > 1
+# What a record becomes, by the `examples` of make_dataset: the key prefixes of its sequences ("documents" are
+# token arrays cut into Pieces). A preference pair's two sequences are packed in lockstep: Grain places both in the
+# same row under the same segment id, so chosen segment s and rejected segment s are one pair.
+PREFIXES = {"conversations": ("",), "preferences": ("chosen_", "rejected_")}
+
+
+class HasTargets:
+  """Keeps an example whose every sequence has a token to predict."""
+
+  def __init__(self, prefixes: tuple[str, ...]):
+    self.prefixes = prefixes
+
+  def __call__(self, example: dict) -> bool:
+    return all(len(example[f"{p}tokens"]) > 1 for p in self.prefixes)
 
 
 class Shift(grain.transforms.Map):
-  """{"tokens", "mask"} of a conversation -> {"inputs", "targets", "targets_mask"}, cut to `length` targets."""
+  """{"tokens", "mask"} (per prefix) -> {"inputs", "targets", "targets_mask"}, cut to `length` targets."""
 
-  def __init__(self, length: int):
+  def __init__(self, length: int, prefixes: tuple[str, ...]):
     self.length = length
+    self.prefixes = prefixes
 
   def map(self, example: dict) -> dict:
-    tokens, mask = example["tokens"][: self.length + 1], example["mask"][: self.length + 1]
-    return {"inputs": tokens[:-1], "targets": tokens[1:], "targets_mask": mask[1:]}
+    out = {}
+    for p in self.prefixes:
+      tokens, mask = example[f"{p}tokens"][: self.length + 1], example[f"{p}mask"][: self.length + 1]
+      out.update({f"{p}inputs": tokens[:-1], f"{p}targets": tokens[1:], f"{p}targets_mask": mask[1:]})
+    return out
 
 
 class Pad(grain.transforms.Map):
@@ -87,11 +103,20 @@ class Pad(grain.transforms.Map):
     return row
 
 
-def _rename(batch: dict) -> dict:
-  ours = {ours: np.asarray(batch[theirs], np.int32) for theirs, ours in _RENAME.items()}
-  if "targets_mask" in batch:  # fine-tuning: targets outside the mask are not in the loss
-    ours["targets_segmentation"] *= np.asarray(batch["targets_mask"], np.int32)
-  return ours
+class Rename(grain.transforms.Map):
+  """Grain's packed keys -> ours (BATCH_KEYS, under each prefix); targets outside a mask get segmentation 0."""
+
+  def __init__(self, prefixes: tuple[str, ...]):
+    self.prefixes = prefixes
+
+  def map(self, batch: dict) -> dict:
+    ours = {}
+    for p in self.prefixes:
+      for theirs, name in _RENAME.items():
+        ours[p + name] = np.asarray(batch[p + theirs], np.int32)
+      if f"{p}targets_mask" in batch:  # fine-tuning: targets outside the mask are not in the loss
+        ours[f"{p}targets_segmentation"] *= np.asarray(batch[f"{p}targets_mask"], np.int32)
+    return ours
 
 
 def make_dataset(
@@ -109,12 +134,13 @@ def make_dataset(
   worker_count: int = 0,
   max_document_tokens: int = 1 << 20,
   packing: bool = True,
-  conversations: bool = False,
+  examples: str = "documents",
 ):
   """The Grain IterDataset of this process's batches: dicts of [rows, length] int32 arrays (our BATCH_KEYS).
 
   source: a random-access sequence of documents (str/bytes, or dicts holding the text under text_key).
-  tokenize: a document -> its tokens; with conversations=True a record -> sft.Conversation's {"tokens", "mask"}.
+  tokenize: a document -> its tokens (examples="documents"); a record -> sft.Conversation's {"tokens", "mask"}
+    ("conversations") or sft.Preference's {"chosen_tokens", "chosen_mask", "rejected_tokens", ...} ("preferences").
   """
   dataset = grain.MapDataset.source(source)[process_index::process_count]
   if shuffle:
@@ -123,18 +149,22 @@ def make_dataset(
   if text_key is not None:
     dataset = dataset.map(operator.itemgetter(text_key))
   dataset = dataset.map(tokenize).to_iter_dataset()
-  if conversations:
-    dataset = dataset.filter(_has_target).map(Shift(length))
-  else:
+  prefixes = PREFIXES.get(examples, ("",))
+  if examples == "documents":
     dataset = grain_experimental.FlatMapIterDataset(dataset, Pieces(length, max_document_tokens // length + 1))
+  else:
+    dataset = dataset.filter(HasTargets(prefixes)).map(Shift(length, prefixes))
   if packing:
-    keys = ("inputs", "targets", "targets_mask") if conversations else ("inputs", "targets")
+    keys = ("inputs", "targets") if examples == "documents" else ("inputs", "targets", "targets_mask")
     dataset = grain_experimental.FirstFitPackIterDataset(
-      dataset, length_struct=dict.fromkeys(keys, length), num_packing_bins=rows, shuffle_bins=False
+      dataset,
+      length_struct={p + k: length for p in prefixes for k in keys},
+      num_packing_bins=rows,
+      shuffle_bins=False,
     )
   else:
     dataset = dataset.map(Pad(length))
-  dataset = dataset.batch(rows, drop_remainder=True).map(_rename)
+  dataset = dataset.batch(rows, drop_remainder=True).map(Rename(prefixes))
   if worker_count > 0:
     from absl import flags  # Grain's workers read absl flags, which a non-absl program never parses.
 

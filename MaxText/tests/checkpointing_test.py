@@ -52,7 +52,7 @@ def env():
   def random_tree():
     return jax.tree_util.tree_map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), layout.abstract.params)
 
-  state = state_lib.state_from_params(random_tree(), tx, layout)
+  state = state_lib.state_from_params(random_tree(), tx, layout, cfg)
 
   def adam_step(s, grads):
     updates, opt_state = tx.update(grads, s.opt_state, s.params)

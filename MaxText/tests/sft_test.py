@@ -214,7 +214,7 @@ def _records(n=6):
 def _batches(conversation, records, rows, packing):
   dataset = text_pipeline.make_dataset(
     records, tokenize=conversation, length=64, rows=rows, seed=0, num_epochs=1, process_index=0, process_count=1,
-    shuffle=False, packing=packing, conversations=True,
+    shuffle=False, packing=packing, examples="conversations",
   )  # fmt: skip
   return list(dataset)
 

@@ -110,7 +110,7 @@ def test_state_from_params_keeps_them_bit_for_bit(seed0):
   tx, layout = seed0.tx, seed0.layout
   rng = np.random.default_rng(0)
   params = jax.tree_util.tree_map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), layout.abstract.params)
-  state = state_lib.state_from_params(params, tx, layout)
+  state = state_lib.state_from_params(params, tx, layout, seed0.cfg)
   assert int(state.step) == 0 and state.step.dtype == np.int32
   assert_trees_equal(state.params, params)
   assert_trees_equal(state.opt_state, tx.init(params))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from MaxText import compiled_step, train
+from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, flip_a_stored_bit, run
 from MaxText.tests.helpers import overrides as overrides_of
@@ -355,13 +356,13 @@ def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
   boxed = models.Transformer(cfg).init({"params": jax.random.key(1)}, *models.init_inputs(1, cfg.max_target_length))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = jax.device_put(nn.meta.unbox(boxed)["params"], replicated)
-  eval_fn = jax.jit(lambda p, b: train.eval_step(model, p, b))
-  got = train.evaluate(cfg, mesh, eval_fn, params)
+  eval_fn = jax.jit(lambda p, r, b: train.eval_step(model, p, r, b))
+  got = train.evaluate(cfg, mesh, eval_fn, state_lib.TrainState(step=0, params=params, opt_state=None))
   total, tokens = 0.0, 0
   for i, batch in enumerate(input_pipeline.create_eval_iterator(cfg, mesh)):
     if i == 3:
       break
-    loss_sum, count = train.eval_step(models.Transformer(cfg), params, jax.device_get(batch))
+    loss_sum, count, _ = train.eval_step(models.Transformer(cfg), params, None, jax.device_get(batch))
     total, tokens = total + float(loss_sum), tokens + int(count)
   assert got["eval/total_weights"] == tokens == 3 * 4 * cfg.max_target_length
   np.testing.assert_allclose(got["eval/avg_loss"], total / tokens, rtol=1e-6)
