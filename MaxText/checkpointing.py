@@ -26,10 +26,10 @@ import re
 import jax
 import numpy as np
 
-from MaxText import integrity, storage
+from MaxText import integrity, lora, storage
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
-from MaxText.state import StateLayout, TrainState, init_state, params_layout, state_from_params
+from MaxText.state import StateLayout, TrainState, init_adapters, init_state, params_layout, state_from_params
 
 ITEM = "items"
 DATA_ITEM = "data"
@@ -355,7 +355,22 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
     check_compatible(items_path("load_full_state_path", config.load_full_state_path), layout.abstract)
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
-    check_compatible(path, {"params": layout.abstract.params})
+    check_compatible(path, {"params": _start_params(config, layout, path)})
+
+
+def _stores_adapters(path: str) -> bool:
+  return any(
+    lora.is_adapter(tuple(integrity.leaf_name(p).split(".")))
+    for p, _ in jax.tree_util.tree_leaves_with_path(_metadata(path))
+  )
+
+
+def _start_params(config: Config, layout: StateLayout, path: str):
+  """The abstract params load_parameters_path restores: all of them, or under LoRA from a checkpoint without
+  adapters (a base model), all but the adapters, which then start fresh."""
+  if config.lora_rank > 0 and not _stores_adapters(path):
+    return lora.partition(layout.abstract.params)[1]
+  return layout.abstract.params
 
 
 def latest_step(config: Config) -> int | None:
@@ -435,9 +450,32 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
     return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
-    params = _restore_tree(path, {"params": layout.abstract.params})["params"]
-    return StartingPoint(state_from_params(params, tx, layout, config), f"params from {config.load_parameters_path}")
-  return StartingPoint(init_state(model, config, tx, layout), f"fresh init (seed {config.init_weights_seed})")
+    params = _restore_tree(path, {"params": _start_params(config, layout, path)})["params"]
+    source = f"params from {config.load_parameters_path}"
+    if config.lora_rank > 0 and not _stores_adapters(path):
+      params = lora.combine(init_adapters(model, config, layout), params)
+      source += f" and fresh LoRA adapters (rank {config.lora_rank})"
+    if config.hf_lora_adapter_path:
+      params, source = _with_peft_adapter(config, layout, params), source + f", adapters from {config.hf_lora_adapter_path}"
+    return StartingPoint(state_from_params(params, tx, layout, config), source)
+  state = init_state(model, config, tx, layout)
+  source = f"fresh init (seed {config.init_weights_seed})"
+  if config.hf_lora_adapter_path:
+    params = _with_peft_adapter(config, layout, state.params)
+    state, source = state_from_params(params, tx, layout, config), source + f", adapters from {config.hf_lora_adapter_path}"
+  return StartingPoint(state, source)
+
+
+def _with_peft_adapter(config: Config, layout: StateLayout, params: dict) -> dict:
+  """`params` with the adapters of the PEFT folder hf_lora_adapter_path, placed with the layout's shardings."""
+  from MaxText import families
+  from MaxText.convert import peft
+
+  adapters, shardings = lora.partition(layout.abstract.params)[0], lora.partition(layout.shardings.params)[0]
+  where = lambda path, i: families.param_path(config, path, i)  # noqa: E731
+  read = peft.read_adapter(config.hf_lora_adapter_path, config, families.hf_mapping(config), adapters, where)
+  placed = jax.tree_util.tree_map(lambda x, a, s: jax.device_put(x.astype(a.dtype), s), read, adapters, shardings)
+  return lora.combine(placed, lora.partition(params)[1])
 
 
 def _resume(config: Config, manager, layout: StateLayout) -> StartingPoint:

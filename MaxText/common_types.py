@@ -77,6 +77,7 @@ EXP = "exp"  # The experts of a mixture-of-experts block.
 EMBED_NO_EXP = "embed_no_exp"  # The embed axis of expert weights, whose expert axis takes the expert mesh axis.
 Q_LORA = "q_lora"  # Multi-head latent attention's compressed query (q_lora_rank).
 KV_LORA = "kv_lora"  # Multi-head latent attention's compressed keys and values (kv_lora_rank).
+LORA_RANK = "lora_rank"  # The rank axis of LoRA adapters (lora_rank): A [*in, rank], B [rank, *out].
 
 # Activation axes.
 BATCH = "activation_batch"
@@ -96,7 +97,7 @@ CACHE_KV = "cache_kv"
 CACHE_AXES = (CACHE_BATCH, CACHE_SEQUENCE, CACHE_HEADS, CACHE_KV)
 LATENT_CACHE_AXES = (CACHE_BATCH, CACHE_SEQUENCE, None, CACHE_KV)  # MLA's cache: one latent "head", never split
 
-PARAM_AXES = (EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, NORM, LAYERS, EXP, EMBED_NO_EXP, Q_LORA, KV_LORA)
+PARAM_AXES = (EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, NORM, LAYERS, EXP, EMBED_NO_EXP, Q_LORA, KV_LORA, LORA_RANK)
 ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_HEAD_DIM, ACT_VOCAB) + CACHE_AXES
 
 # What a forward pass is for: training (logits only), prefill (logits and the prompt's keys and values for

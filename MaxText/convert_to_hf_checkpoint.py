@@ -7,6 +7,10 @@ writes OUT/config.json and OUT/model*.safetensors (split into shards of at most 
 model.safetensors.index.json when there are several), which transformers loads with from_pretrained. Tensors
 keep the dtype they are stored in, so importing and exporting gives back the original bits. With
 tokenizer_path set, the tokenizer files are copied too. OUT must be new or empty; it appears only when complete.
+
+A LoRA checkpoint (lora_rank > 0, the keys it was trained with) exports, by hf_lora_export, as the model with the
+adapters merged into its weights ("merged"), or as a PEFT adapter folder ("adapter": adapter_config.json +
+adapter_model.safetensors) that peft.PeftModel.from_pretrained loads on the exported base model.
 """
 
 import json
@@ -17,11 +21,12 @@ import sys
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
+import jax
 import numpy as np
 
-from MaxText import checkpointing, cli, families, state
+from MaxText import checkpointing, cli, families, lora, state
 from MaxText.common_types import Config, ConfigError
-from MaxText.convert import get, hf_families, staged
+from MaxText.convert import get, hf_families, peft, staged
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
@@ -89,6 +94,15 @@ def export(config: Config) -> str:
     tokenizer = tokenizer_lib.load(config.tokenizer_path, config.tokenizer_type)
   params, source = checkpointing.restore_host_params(config, state.abstract_params(config))
   dtype = np.dtype(params["token_embedder"]["embedding"].dtype).name
+  if config.lora_rank > 0 and config.hf_lora_export == "adapter":
+    adapters = lora.partition(params)[0]
+    with staged(out) as staging:
+      count = peft.write_adapter(staging, config, mapping, adapters, lambda p, i: families.param_path(config, p, i))
+    print(f"Wrote {out} (a PEFT LoRA adapter: {count} tensors, rank {config.lora_rank}) from {source}", flush=True)
+    return out
+  if config.lora_rank > 0:
+    params = jax.tree_util.tree_map(np.asarray, lora.merge(params, config))
+    config = config.replace(lora_rank=0)
 
   with staged(out) as staging:
     count = write_shards(staging, hf_tensors(config, mapping, params), config.hf_max_shard_size_mb * 10**6)

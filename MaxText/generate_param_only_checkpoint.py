@@ -7,7 +7,9 @@ writes {base_output_directory}/DECODE_RUN/checkpoints/0/items holding only `para
 which decode.py and train.py read with load_parameters_path. The model keys must be those of the training
 run. force_unroll=true stores the layers unscanned (layers_0, layers_1, ...; DeepSeek's dense_layers_0, ...,
 moe_layers_0, ...) for scan_layers=false
-decoding. An existing checkpoint is never overwritten.
+decoding. A LoRA run's checkpoint (lora_rank > 0) is written with its adapters merged into the weights, for
+decoding with lora_rank=0 (decode.py with the run's lora keys samples with the adapters on instead). An existing
+checkpoint is never overwritten.
 """
 
 import sys
@@ -17,7 +19,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 
-from MaxText import checkpointing, cli, families, sharding, storage
+from MaxText import checkpointing, cli, families, lora, sharding, storage
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
@@ -42,6 +44,11 @@ def generate(config: Config) -> str:
   mesh = sharding.create_mesh(config)
   abstract, _ = state_lib.params_layout(models.Transformer(config, mesh), config, mesh)
   params, source = checkpointing.restore_params(config, abstract)
+  if config.lora_rank > 0:
+    merged = config.replace(lora_rank=0)
+    _, shardings = state_lib.params_layout(models.Transformer(merged, mesh), merged, mesh)
+    params = jax.jit(lambda p: lora.merge(p, config), out_shardings=shardings)(params)
+    config = merged
   if config.force_unroll and config.scan_layers:
     unrolled = config.replace(scan_layers=False)
     _, shardings = state_lib.params_layout(models.Transformer(unrolled, mesh), unrolled, mesh)

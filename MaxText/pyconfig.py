@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from MaxText import families, input_pipeline, metrics, optimizers, storage
+from MaxText import families, input_pipeline, lora, metrics, optimizers, storage
 from MaxText.common_types import Config, ConfigError, freeze
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
@@ -83,6 +83,7 @@ def choices() -> dict[str, Collection[str]]:
     "lr_schedule_type": optimizers.SCHEDULES,
     "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
     "mu_dtype": ("", *linears.DTYPES),
+    "hf_lora_export": ("merged", "adapter"),
   }
 
 
@@ -289,6 +290,7 @@ def _validate(values: Mapping) -> None:
   _check_attention(values)
   _check_layers(values)
   _check_moe(values)
+  lora.check({**values, **_model_dims(values)})
   families.get(values["decoder_block"]).check(values)
 
 

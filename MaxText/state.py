@@ -14,7 +14,7 @@ from flax import linen as nn
 from flax import struct
 from jax.sharding import Mesh
 
-from MaxText import common_types, sharding
+from MaxText import common_types, lora, sharding
 from MaxText.common_types import Config
 from MaxText.layers import models
 
@@ -31,8 +31,13 @@ class TrainState:
 
 def _reference(config: Config, params):
   """The reference model's parameters for a state around `params`: a copy with use_dpo (never the same buffers,
-  which the train step donates), else None."""
-  return jax.tree_util.tree_map(lambda x: x.copy(), params) if config.use_dpo else None
+  which the train step donates), else None. Under LoRA, DPO's reference is the base itself (adapters off)."""
+  return jax.tree_util.tree_map(lambda x: x.copy(), params) if config.use_dpo and config.lora_rank == 0 else None
+
+
+def trainable(config: Config, params):
+  """The parameters the optimizer updates: all, or with lora_rank > 0 only the adapters (MaxText/lora.py)."""
+  return lora.partition(params)[0] if config.lora_rank > 0 else params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,7 @@ def _boxed_state(model, config, tx, rng) -> TrainState:
   return TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32),
     params=params,
-    opt_state=_boxed_opt_state(tx, params),
+    opt_state=_boxed_opt_state(tx, trainable(config, params)),
     reference_params=_reference(config, params),
   )
 
@@ -132,12 +137,23 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
   return init.lower(rng).compile(options)(rng)
 
 
+def init_adapters(model, config: Config, layout: StateLayout) -> dict:
+  """Fresh LoRA adapters from init_weights_seed, created with their shardings (the base's init is never run: XLA
+  drops what the output does not need)."""
+  adapters = lora.partition(layout.shardings.params)[0]
+  init = jax.jit(lambda rng: lora.partition(nn.meta.unbox(init_params(model, config, rng)))[0], out_shardings=adapters)
+  return init(jax.random.key(config.init_weights_seed))
+
+
 def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainState:
   """A train state at step 0 around given params: a fresh optimizer state (and with use_dpo, the params again as
   the reference model)."""
   fresh = jax.jit(
     lambda p: TrainState(
-      step=jax.numpy.zeros((), jax.numpy.int32), params=p, opt_state=tx.init(p), reference_params=_reference(config, p)
+      step=jax.numpy.zeros((), jax.numpy.int32),
+      params=p,
+      opt_state=tx.init(trainable(config, p)),
+      reference_params=_reference(config, p),
     ),
     out_shardings=layout.shardings,
   )

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import traverse_util  # noqa: E402
 
-from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, sharding, storage  # noqa: E402
+from MaxText import checkpointing, cli, compiled_step, input_pipeline, lora, metrics, optimizers, sharding, storage  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
@@ -77,7 +77,7 @@ def dpo_loss_fn(model, params, reference_params, batch, dropout_rng, determinist
     loss = -(1 - dpo_label_smoothing) * log sigmoid(dpo_beta * d) - dpo_label_smoothing * log sigmoid(-dpo_beta * d)
 
   log p(response) sums the log-probabilities of a response's target tokens (targets_segmentation != 0). The
-  reference model is `reference_params` under stop_gradient, without dropout.
+  reference model is `reference_params` (under LoRA, None: the base, adapters off) under stop_gradient, without dropout.
 
   batch: BATCH_KEYS prefixed chosen_ and rejected_, packed in lockstep: segment s of chosen row r and of rejected
   row r are one pair. Returns (summed loss over pairs, aux) with aux["tokens"] the number of pairs (the step's
@@ -90,6 +90,8 @@ def dpo_loss_fn(model, params, reference_params, batch, dropout_rng, determinist
   logits, sown = model.apply(
     {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
   )
+  if reference_params is None:  # LoRA: the base model, the adapters off
+    reference_params = lora.adapters_off(params)
   reference_logits, _ = model.apply(
     {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
   )
@@ -244,22 +246,29 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
     loss = functools.partial(dpo_loss_fn, model, reference_params=state.reference_params)
   else:
     loss = functools.partial(loss_fn, model)
-  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=p, batch=b, dropout_rng=r), has_aux=True)
+  # Gradients of the trainable parameters only: under LoRA the adapters, the frozen base a constant.
+  trainable = state_lib.trainable(config, state.params)
+  _, frozen = lora.partition(state.params) if config.lora_rank > 0 else (None, None)
+
+  def full(p):
+    return p if frozen is None else lora.combine(p, frozen)
+
+  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=full(p), batch=b, dropout_rng=r), has_aux=True)
   k = config.gradient_accumulation_steps
   if k == 1:
-    (loss_sum, aux), grads = grad_fn(state.params, batch, dropout_rng)
+    (loss_sum, aux), grads = grad_fn(trainable, batch, dropout_rng)
   else:
     # Row r of the global batch goes to micro-batch r % k: each device keeps its own rows.
     micro = jax.tree_util.tree_map(lambda x: jnp.swapaxes(x.reshape(-1, k, *x.shape[1:]), 0, 1), batch)
 
     def accumulate(carry, i_and_batch):
       i, micro_batch = i_and_batch
-      (loss_i, aux_i), grads_i = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, i))
+      (loss_i, aux_i), grads_i = grad_fn(trainable, micro_batch, jax.random.fold_in(dropout_rng, i))
       loss_sum, aux, grads = carry
       grads = jax.tree_util.tree_map(lambda g, gi: g + gi.astype(jnp.float32), grads, grads_i)
       return (loss_sum + loss_i, jax.tree_util.tree_map(jnp.add, aux, aux_i), grads), None
 
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     aux_shapes = jax.eval_shape(lambda p, b: loss(params=p, batch=b, dropout_rng=dropout_rng)[1], state.params, first)
     aux_zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
@@ -268,9 +277,9 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
 
   num_tokens = aux["tokens"]
   denominator = jnp.maximum(num_tokens, 1).astype(jnp.float32)
-  grads = jax.tree_util.tree_map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  grads = jax.tree_util.tree_map(lambda g, p: (g / denominator).astype(p.dtype), grads, trainable)
+  updates, opt_state = tx.update(grads, state.opt_state, trainable)
+  params = full(optax.apply_updates(trainable, updates))
   if "moe_expert_counts" in aux:  # summed over the micro-batches: the step's whole batch
     params = update_routing_bias(params, aux["moe_expert_counts"], config.routed_bias_update_rate)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -41,30 +41,51 @@ class Group:
   # For one HF tensor -> one of ours: the axis of ours that HF's rows (axis 0) become, when to_ours of a block
   # of rows gives that block of ours (so a big tensor can be converted a block of rows at a time).
   row_axis: int | None = None
+  # For a linear layer: rank -> the groups of its LoRA adapter in PEFT's format (convert/peft.py), lora_A and
+  # lora_B <-> our lora_a and lora_b, converted as the kernel's inputs and outputs are.
+  adapter: Callable[[int], tuple["Group", "Group"]] | None = None
 
 
 def same(hf: str, ours: str) -> Group:
   return Group((hf,), (ours,), lambda w: (w,), lambda w: (w,), row_axis=0)
 
 
-def linear(hf: str, ours: str, out_shape: tuple[int, ...]) -> Group:
+def _peft_names(hf: str, ours: str) -> tuple[str, str, str, str]:
+  """(lora_A, lora_B, lora_a, lora_b) names beside a kernel's: PEFT's lora_A [r, in] and lora_B [out, r] weights."""
+  module, ours_module = hf.removesuffix(".weight"), ours.removesuffix(".kernel")
+  return f"{module}.lora_A.weight", f"{module}.lora_B.weight", f"{ours_module}.lora_a", f"{ours_module}.lora_b"
+
+
+def linear(hf: str, ours: str, out_shape: tuple[int, ...], adapter: bool = True) -> Group:
   """torch Linear W [prod(out_shape), in] <-> our kernel [in, *out_shape]."""
+
+  def lora(rank):
+    a_hf, b_hf, a, b = _peft_names(hf, ours)
+    return linear(a_hf, a, (rank,), adapter=False), linear(b_hf, b, out_shape, adapter=False)
+
   return Group(
     (hf,),
     (ours,),
     lambda w: (w.T.reshape(w.shape[1], *out_shape[:-1], -1),),
     lambda k: (k.reshape(k.shape[0], -1).T,),
     row_axis=1 if len(out_shape) == 1 else None,
+    adapter=lora if adapter else None,
   )
 
 
 def linear_in(hf: str, ours: str, in_shape: tuple[int, ...]) -> Group:
   """torch Linear W [out, prod(in_shape)] <-> our kernel [*in_shape, out] (the attention output)."""
+
+  def lora(rank):
+    a_hf, b_hf, a, b = _peft_names(hf, ours)
+    return linear_in(a_hf, a, in_shape), linear(b_hf, b, (-1,), adapter=False)
+
   return Group(
     (hf,),
     (ours,),
     lambda w: (w.T.reshape(*in_shape, w.shape[0]),),
     lambda k: (k.reshape(-1, k.shape[-1]).T,),
+    adapter=lora,
   )
 
 

@@ -78,9 +78,11 @@ class Attention(nn.Module):
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     bias = self.use_bias
     projections = [
-      DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="query"),
-      DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="key"),
-      DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, name="value"),
+      DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, use_bias=bias, adapter=True, name="query"),
+      DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, adapter=True, name="key"),
+      DenseGeneral(
+        (kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, adapter=True, name="value"
+      ),
     ]
     # fused_qkv needs kv_heads == heads (checked by pyconfig), as in MaxText.
     q, k, v = fused_projection(x, projections) if cfg.fused_qkv else [p(x) for p in projections]
@@ -106,6 +108,8 @@ class Attention(nn.Module):
       out = attention_kernels.attend(q, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, window=window, cap=cap)
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")  # What remat_policy=minimal_flash saves.
-    out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=bias, name="out")(out)
+    out = DenseGeneral(
+      (cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=bias, adapter=True, name="out"
+    )(out)
     kv = None if self.model_mode == ct.MODEL_MODE_TRAIN else (k, v)
     return checkpoint_name(out, "out_proj"), kv

@@ -8,7 +8,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types as ct
-from MaxText import sharding
+from MaxText import lora, sharding
 from MaxText.common_types import Config
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -34,6 +34,7 @@ class DenseGeneral(nn.Module):
   W has shape in_features + features and logical axes `kernel_axes`; it is stored in weight_dtype and
   used in the activation dtype. Initialised by LeCun-normal (truncated, fan-in over all input axes), as
   MaxText's `nd_dense_init(1.0, "fan_in", "truncated_normal")`. use_bias adds b [features] (zeros at init).
+  A projection whose name is in lora_target_modules (with lora_rank > 0) adds a LoRA adapter (MaxText/lora.py).
   """
 
   features: Sequence[int]
@@ -42,6 +43,7 @@ class DenseGeneral(nn.Module):
   num_in: int = 1
   use_bias: bool = False
   compute_dtype: jnp.dtype | None = None  # Overrides the activation dtype (logits_dot_in_fp32).
+  adapter: bool = False  # Whether this projection may take a LoRA adapter (attention and MLP projections).
 
   @nn.compact
   def __call__(self, x: jax.Array, weights_only: bool = False):
@@ -66,10 +68,35 @@ class DenseGeneral(nn.Module):
       bias_axes = tuple(self.kernel_axes)[self.num_in :]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, weight_dtype)
       bias = bias.astype(dtype)
+    adapter = (
+      self._adapter(in_shape, features, weight_dtype) if self.adapter and lora.applies(self.config, self.name) else None
+    )
     if weights_only:
-      return kernel.astype(dtype), bias
+      kernel = kernel.astype(dtype)
+      if adapter is not None:  # merged for the fused matmul: the same sum, W + s A B
+        a, b = (w.astype(dtype) for w in adapter)
+        kernel = kernel + lora.scale(self.config) * jnp.tensordot(a, b, axes=([-1], [0])).astype(dtype)
+      return kernel, bias
     y = _contract(x.astype(dtype), kernel.astype(dtype), self.num_in, self.config)
+    if adapter is not None:
+      a, b = (w.astype(dtype) for w in adapter)
+      low = _contract(_contract(x.astype(dtype), a, self.num_in, self.config), b, 1, self.config)
+      y = y + (lora.scale(self.config) * low).astype(dtype)
     return y if bias is None else y + bias
+
+  def _adapter(self, in_shape, features, weight_dtype):
+    """(lora_a [*in, r], lora_b [r, *out]) with PEFT's init: A uniform in +-1/sqrt(fan_in), B zeros."""
+    rank, n_in = self.config.lora_rank, len(in_shape)
+    in_axes, out_axes = tuple(self.kernel_axes)[:n_in], tuple(self.kernel_axes)[n_in:]
+    a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(n_in)), out_axis=n_in)
+    a = self.param("lora_a", nn.with_logical_partitioning(a_init, (*in_axes, ct.LORA_RANK)), (*in_shape, rank), weight_dtype)
+    b = self.param(
+      "lora_b",
+      nn.with_logical_partitioning(nn.initializers.zeros, (ct.LORA_RANK, *out_axes)),
+      (rank, *features),
+      weight_dtype,
+    )
+    return a, b
 
 
 def _contract(x: jax.Array, kernel: jax.Array, num_in: int, config: Config) -> jax.Array:
@@ -110,7 +137,9 @@ class MlpBlock(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     wi = [
-      DenseGeneral((self.mlp_dim or cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, name=f"wi_{i}")
+      DenseGeneral(
+        (self.mlp_dim or cfg.mlp_dim,), (ct.EMBED, ct.MLP), cfg, use_bias=self.use_bias, adapter=True, name=f"wi_{i}"
+      )
       for i in range(len(cfg.mlp_activations))
     ]
     fused = cfg.fused_mlp and len(wi) > 1
@@ -120,5 +149,5 @@ class MlpBlock(nn.Module):
       h = ACTIVATIONS[act](checkpoint_name(projection, "mlpwi"))
       hidden = h if hidden is None else hidden * h
     hidden = sharding.constrain(hidden, (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
-    out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, use_bias=self.use_bias, name="wo")(hidden)
+    out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, use_bias=self.use_bias, adapter=True, name="wo")(hidden)
     return checkpoint_name(out, "mlpwo")

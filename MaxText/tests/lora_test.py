@@ -1,0 +1,145 @@
+"""LoRA: fresh adapters keep the base model, merged weights equal the adapters, only adapters train, PEFT."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import traverse_util
+
+from MaxText import lora, optimizers, train
+from MaxText import state as state_lib
+from MaxText.common_types import ConfigError
+from MaxText.layers import models
+from MaxText.tests.helpers import config, train_batch
+
+LORA = ("lora_rank=4", "lora_alpha=8")
+
+
+def _init(cfg, seed=0):
+  model = models.Transformer(cfg)
+  boxed = model.init({"params": jax.random.key(seed)}, *models.init_inputs(1, cfg.max_target_length))["params"]
+  return model, nn.meta.unbox(boxed)
+
+
+def _logits(cfg, params, batch):
+  model = models.Transformer(cfg)
+  out, _ = model.apply(
+    {"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"], deterministic=True,
+    mutable=["intermediates"],
+  )  # fmt: skip
+  return np.asarray(out)
+
+
+def _random_adapters(params, seed=1):
+  """The params with every lora_b random too (a trained adapter)."""
+  flat = traverse_util.flatten_dict(params)
+  rng = np.random.default_rng(seed)
+  return traverse_util.unflatten_dict(
+    {k: rng.normal(0, 0.05, v.shape).astype(v.dtype) if k[-1] == "lora_b" else v for k, v in flat.items()}
+  )
+
+
+@pytest.mark.parametrize("extra", [(), ("fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4", "override_model_config=true"), ("scan_layers=false",)])
+def test_fresh_adapters_leave_the_base_model_bit_for_bit(extra):
+  cfg = config(*LORA, *extra)
+  _, params = _init(cfg)
+  adapters, base = lora.partition(params)
+  names = {"/".join(k[-2:]) for k in traverse_util.flatten_dict(adapters)}
+  assert names == {f"{m}/lora_{x}" for m in ("query", "key", "value", "out", "wi_0", "wi_1", "wo") for x in "ab"}
+  assert all(not np.any(b) for k, b in traverse_util.flatten_dict(adapters).items() if k[-1] == "lora_b")
+  batch = train_batch(cfg)
+  np.testing.assert_array_equal(_logits(cfg, params, batch), _logits(config(*extra), base, batch))
+
+
+@pytest.mark.parametrize("extra", [(), ("scan_layers=false",), ("fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4", "override_model_config=true")])
+def test_merged_weights_equal_the_adapters(extra):
+  cfg = config(*LORA, *extra, "lora_target_modules=['q_proj','value','out','wi_1','down_proj']")
+  _, params = _init(cfg)
+  params = _random_adapters(params)
+  batch = train_batch(cfg)
+  on = _logits(cfg, params, batch)
+  merged = lora.merge(params, cfg)
+  assert not any(lora.is_adapter(k) for k in traverse_util.flatten_dict(merged))
+  base = lora.partition(params)[1]
+  assert np.abs(on - _logits(config(*extra), base, batch)).max() > 1e-3, "the adapters must change the logits"
+  np.testing.assert_allclose(_logits(config(*extra), merged, batch), on, rtol=1e-5, atol=1e-5)
+  # A by hand: the query kernel of layer 0 plus alpha/r A B.
+  path = ("layers", "self_attention", "query") if cfg.scan_layers else ("layers_0", "self_attention", "query")
+  module = traverse_util.flatten_dict(params, sep="/")
+  a, b, w = (np.asarray(module["/".join(path) + f"/{n}"], np.float64) for n in ("lora_a", "lora_b", "kernel"))
+  if cfg.scan_layers:
+    a, b, w = a[0], b[0], w[0]
+  want = w + 2.0 * np.einsum("er,rhd->ehd", a, b)
+  got = np.asarray(traverse_util.flatten_dict(merged, sep="/")["/".join(path) + "/kernel"])
+  np.testing.assert_allclose(got[0] if cfg.scan_layers else got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_only_the_adapters_train_and_the_optimizer_holds_only_them():
+  cfg = config(*LORA, "learning_rate=1e-2", "steps=4")
+  mesh, model, schedule, tx, layout = train.build(cfg, jax.devices()[:1])
+  state = state_lib.init_state(model, cfg, tx, layout)
+  adapters, base = lora.partition(state.params)
+  n_adapters = len(jax.tree.leaves(adapters))
+  moments = sorted(x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim)  # Adam's mu and nu (not the counts)
+  assert moments == sorted(2 * [x.shape for x in jax.tree.leaves(adapters)]) and n_adapters == 14
+  full_cfg = config("learning_rate=1e-2", "steps=4")
+  _, _, _, full_tx, full_layout = train.build(full_cfg, jax.devices()[:1])
+  lora_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout.abstract.opt_state))
+  full_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(full_layout.abstract.opt_state))
+  assert lora_bytes < full_bytes / 4
+
+  step = jax.jit(lambda s, b: train.train_step(model, cfg, tx, schedule, s, b))
+  losses = []
+  for i in range(4):
+    state, metrics = step(state, train_batch(cfg, rows=2, seed=i))
+    losses.append(float(metrics["learning/loss"]))
+  new_adapters, new_base = lora.partition(state.params)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), new_base, base)
+  changed = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(new_adapters), jax.tree.leaves(adapters), strict=True)]
+  assert all(changed)
+
+
+def test_lora_training_equals_training_the_merged_low_rank_update():
+  """One SGD step on the adapters equals differentiating the loss of W + s A B by hand (jax.grad of the merged
+  model with respect to A and B, another code path)."""
+  cfg = config(*LORA, "opt_type=sgd", "learning_rate=0.5", "warmup_steps_fraction=0", "gradient_clipping_threshold=0", "steps=1")
+  mesh, model, schedule, tx, layout = train.build(cfg, jax.devices()[:1])
+  state = state_lib.init_state(model, cfg, tx, layout)
+  state = state.replace(params=_random_adapters(jax.device_get(state.params)))
+  batch = train_batch(cfg, rows=2)
+  new_state, _ = jax.jit(lambda s, b: train.train_step(model, cfg, tx, schedule, s, b))(state, batch)
+  plain_cfg = config("opt_type=sgd")
+  plain = models.Transformer(plain_cfg)
+  adapters, base = lora.partition(state.params)
+
+  def merged_loss(adapters):
+    params = lora.merge(lora.combine(adapters, base), cfg)
+    loss, aux = train.loss_fn(plain, params, batch, jax.random.key(0), deterministic=True)
+    return loss / aux["tokens"]
+
+  grads = jax.grad(merged_loss)(adapters)
+  lr = float(optimizers.learning_rate_schedule(cfg)(0))
+  want = jax.tree.map(lambda p, g: p - lr * g, adapters, grads)
+  got = lora.partition(new_state.params)[0]
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    ("lora_rank=-1", "lora_rank=-1 is negative"),
+    ("lora_rank=100", "lora_rank=100 is larger than the model's smallest projection width"),
+    ("lora_target_modules=['qkv']", "qkv is not a projection with adapters"),
+    ("lora_alpha=0", "lora_alpha=0.0 must be > 0"),
+  ],
+)
+def test_bad_lora_keys_are_config_errors(change, message):
+  with pytest.raises(ConfigError, match=message):
+    config("lora_rank=4", change)
+  with pytest.raises(ConfigError, match="hf_lora_adapter_path is set but lora_rank=0"):
+    config("hf_lora_adapter_path=/tmp/x")
