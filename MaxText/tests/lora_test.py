@@ -43,7 +43,10 @@ def _random_adapters(params, seed=1):
   )
 
 
-@pytest.mark.parametrize("extra", [(), ("fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4", "override_model_config=true"), ("scan_layers=false",)])
+@pytest.mark.parametrize(
+  "extra",
+  [(), ("fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4", "override_model_config=true"), ("scan_layers=false",)],
+)
 def test_fresh_adapters_leave_the_base_model_bit_for_bit(extra):
   cfg = config(*LORA, *extra)
   _, params = _init(cfg)
@@ -55,7 +58,10 @@ def test_fresh_adapters_leave_the_base_model_bit_for_bit(extra):
   np.testing.assert_array_equal(_logits(cfg, params, batch), _logits(config(*extra), base, batch))
 
 
-@pytest.mark.parametrize("extra", [(), ("scan_layers=false",), ("fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4", "override_model_config=true")])
+@pytest.mark.parametrize(
+  "extra",
+  [(), ("scan_layers=false",), ("fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4", "override_model_config=true")],
+)
 def test_merged_weights_equal_the_adapters(extra):
   cfg = config(*LORA, *extra, "lora_target_modules=['q_proj','value','out','wi_1','down_proj']")
   _, params = _init(cfg)
@@ -106,7 +112,9 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them():
 def test_lora_training_equals_training_the_merged_low_rank_update():
   """One SGD step on the adapters equals differentiating the loss of W + s A B by hand (jax.grad of the merged
   model with respect to A and B, another code path)."""
-  cfg = config(*LORA, "opt_type=sgd", "learning_rate=0.5", "warmup_steps_fraction=0", "gradient_clipping_threshold=0", "steps=1")
+  cfg = config(
+    *LORA, "opt_type=sgd", "learning_rate=0.5", "warmup_steps_fraction=0", "gradient_clipping_threshold=0", "steps=1"
+  )
   mesh, model, schedule, tx, layout = train.build(cfg, jax.devices()[:1])
   state = state_lib.init_state(model, cfg, tx, layout)
   state = state.replace(params=_random_adapters(jax.device_get(state.params)))
@@ -143,3 +151,61 @@ def test_bad_lora_keys_are_config_errors(change, message):
     config("lora_rank=4", change)
   with pytest.raises(ConfigError, match="hf_lora_adapter_path is set but lora_rank=0"):
     config("hf_lora_adapter_path=/tmp/x")
+
+
+@pytest.mark.parametrize("family, scan", [("llama", "true"), ("qwen3", "false")])
+def test_peft_adapter_round_trip_through_transformers(family, scan, tmp_path):
+  """A LoRA checkpoint exports as a PEFT folder that peft.PeftModel.from_pretrained loads on our exported base with
+  our logits; the merged export loads in transformers with them too; hf_lora_adapter_path reads the folder back bit
+  for bit."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft_lib = pytest.importorskip("peft")
+  from MaxText import checkpointing, convert_to_hf_checkpoint, families
+  from MaxText.convert import peft
+  from MaxText.tests import hf_checkpoint_test as hf
+
+  hf.save_random(family, str(tmp_path / "hf"))
+  ckpt = hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"), scan)
+  lora_keys = (
+    "lora_rank=4",
+    "lora_alpha=16",
+    "lora_target_modules=['q_proj','k_proj','value','o_proj','wi_0','up_proj','wo']",
+  )
+  base_cfg = hf.our_config(ckpt, scan=scan)
+  cfg = hf.our_config(ckpt, *lora_keys, scan=scan)
+  mesh, base = hf.restore(base_cfg)
+  _, fresh = _init(cfg, seed=3)
+  params = lora.combine(lora.partition(_random_adapters(fresh, seed=4))[0], jax.device_get(base))
+  items = checkpointing.save_params(str(tmp_path / "lora/checkpoints"), params)
+
+  def export(target, *extra):
+    keys = [k for k in hf._keys(cfg) if not k.startswith("load_parameters_path=")]
+    argv = ["export", hf.BASE_YML, *keys, f"load_parameters_path={items}", f"hf_model_path={target}", *extra]
+    assert convert_to_hf_checkpoint.main(argv) == 0
+
+  export(tmp_path / "base", "lora_rank=0")
+  export(tmp_path / "adapter", *lora_keys, "hf_lora_export=adapter")
+  export(tmp_path / "merged", *lora_keys, "hf_lora_export=merged")
+  settings = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+  assert settings["r"] == 4 and settings["lora_alpha"] == 16 and len(settings["target_modules"]) == 7 * 3
+
+  tokens, valid = hf.padded_batch([24, 13, 7], cfg.vocab_size)
+  ours = hf.our_logits(cfg, mesh, params, tokens, valid)
+  assert np.abs(ours - hf.our_logits(base_cfg, mesh, base, tokens, valid)).max() > 1e-2, "the adapters must matter"
+  with torch.no_grad():
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
+    peft_model = peft_lib.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")).eval()
+  hf.assert_close(ours, hf.hf_logits(peft_model, tokens, valid), valid)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+  hf.assert_close(ours, hf.hf_logits(merged, tokens, valid), valid)
+
+  abstract = lora.partition(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))[0]
+  where = lambda p, i: families.param_path(cfg, p, i)  # noqa: E731
+  read = peft.read_adapter(str(tmp_path / "adapter"), cfg, families.hf_mapping(cfg), abstract, where)
+  jax.tree.map(np.testing.assert_array_equal, read, jax.tree.map(np.asarray, lora.partition(params)[0]))
+  with pytest.raises(ConfigError, match="has r=4 but lora_rank=8; set lora_rank=4"):
+    peft.read_adapter(str(tmp_path / "adapter"), cfg.replace(lora_rank=8), families.hf_mapping(cfg), abstract, where)
+  fewer = cfg.replace(lora_target_modules=("query", "key", "value", "out", "wi_0", "wi_1"))
+  with pytest.raises(ConfigError, match=r"down_proj.lora_A.weight \(and 5 more\) that lora_target_modules"):
+    peft.read_adapter(str(tmp_path / "adapter"), fewer, families.hf_mapping(cfg), lora.partition(_init(fewer)[1])[0], where)
