@@ -260,3 +260,23 @@ def test_bad_dpo_input_exits_2_with_one_line_and_writes_nothing(files, tmp_path,
   assert rc == 2, (out, err)
   assert err.count("\n") == 1 and message in err, err
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_dpo_under_lora_takes_the_base_as_its_reference(files):  # noqa: F811
+  """No copy of the weights: the state holds no reference_params, the loss starts at log 2 with fresh adapters
+  (the policy is the base), and a train step moves the adapters alone and raises the margin."""
+  from MaxText import lora
+  from MaxText import state as state_lib
+
+  cfg = config("use_dpo=true", "dataset_type=hf", "vocab_size=512", "override_model_config=true", "lora_rank=4",
+               "learning_rate=3e-2", "warmup_steps_fraction=0", "steps=2")  # fmt: skip
+  mesh, model, schedule, tx, layout = train.build(cfg, jax.devices()[:1])
+  state = state_lib.init_state(model, cfg, tx, layout)
+  assert state.reference_params is None and layout.abstract.reference_params is None
+  batch = next(iter(_pair_batches(files, 4, packing=False)))
+  step = jax.jit(lambda s, b: train.train_step(model, cfg, tx, schedule, s, b))
+  new_state, metrics = step(state, batch)
+  np.testing.assert_allclose(float(metrics["learning/loss"]), np.log(2), rtol=1e-6)
+  _, metrics = step(new_state, batch)
+  assert float(metrics["learning/dpo_reward_margin"]) > 0
+  jax.tree.map(np.testing.assert_array_equal, lora.partition(new_state.params)[1], lora.partition(state.params)[1])

@@ -4,7 +4,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
@@ -209,3 +208,58 @@ def test_peft_adapter_round_trip_through_transformers(family, scan, tmp_path):
   fewer = cfg.replace(lora_target_modules=("query", "key", "value", "out", "wi_0", "wi_1"))
   with pytest.raises(ConfigError, match=r"down_proj.lora_A.weight \(and 5 more\) that lora_target_modules"):
     peft.read_adapter(str(tmp_path / "adapter"), fewer, families.hf_mapping(cfg), lora.partition(_init(fewer)[1])[0], where)
+
+
+@pytest.mark.slow
+def test_lora_from_a_base_checkpoint_resumes_exactly_and_decodes_merged_or_not(tmp_path):
+  """train.py: a base run, then LoRA from its params (fresh adapters), stopped and resumed with the uninterrupted
+  run's losses; decode.py with the adapters on equals decode.py on the merged params-only checkpoint."""
+  import re
+  import sys
+
+  import tokenizers
+  from tokenizers import models as tok_models
+  from tokenizers import pre_tokenizers, trainers
+
+  from MaxText.tests.helpers import BASE_YML, metrics_losses, run
+  from MaxText.tests.helpers import overrides as overrides_of
+  from MaxText.tests.sft_test import WORDS
+
+  tok = tokenizers.Tokenizer(tok_models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.train_from_iterator(
+    [WORDS] * 5, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  )
+  tok.save(str(tmp_path / "tokenizer.json"))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  common = ("vocab_size=512", "override_model_config=true", f"base_output_directory={tmp_path}/out", "steps=8")
+  common += ("enable_checkpointing=true", "checkpoint_period=4", "learning_rate_schedule_steps=8", "learning_rate=1e-2")
+
+  def train(*args):
+    proc = run([sys.executable, "MaxText/train.py", BASE_YML, *overrides_of(*common, *args)], env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+  train("run_name=base", "steps=4")
+  lora_keys = ("lora_rank=4", "lora_alpha=8", f"load_parameters_path={tmp_path}/out/base/checkpoints/4/items")
+  out = train("run_name=a", f"metrics_file={tmp_path}/a.jsonl", *lora_keys)
+  assert "fresh LoRA adapters (rank 4)" in out
+  train("run_name=b", f"metrics_file={tmp_path}/b.jsonl", "steps=4", *lora_keys)
+  assert "resumed from" in train("run_name=b", f"metrics_file={tmp_path}/b.jsonl", *lora_keys)
+  assert metrics_losses(tmp_path / "b.jsonl") == metrics_losses(tmp_path / "a.jsonl")
+
+  proc = run([sys.executable, "MaxText/generate_param_only_checkpoint.py", BASE_YML, *overrides_of(
+    *common, "run_name=merged", f"load_full_state_path={tmp_path}/out/a/checkpoints/8/items", "lora_rank=4", "lora_alpha=8",
+  )], env)  # fmt: skip
+  assert proc.returncode == 0, proc.stderr
+  decode = ("tokenizer_type=huggingface", f"tokenizer_path={tmp_path}/tokenizer.json", "add_bos=false", "add_eos=false", "prompt=Which book",
+            "max_prefill_predict_length=8", "per_device_batch_size=1", "decode_sampling_strategy=greedy")  # fmt: skip
+  outputs = []
+  for keys in (
+    ("lora_rank=4", "lora_alpha=8", f"load_parameters_path={tmp_path}/out/a/checkpoints/8/items"),
+    (f"load_parameters_path={tmp_path}/out/merged/checkpoints/0/items",),
+  ):
+    proc = run([sys.executable, "MaxText/decode.py", BASE_YML, *overrides_of(*common, *decode, *keys, "run_name=d")], env)
+    assert proc.returncode == 0, proc.stderr
+    outputs.append(re.findall(r"-> `(.*)`", proc.stdout, re.S))
+  assert outputs[0] == outputs[1] and outputs[0][0]
