@@ -85,11 +85,20 @@ KILL_RUN = ("max_target_length=128", "per_device_batch_size=4", "steps=120", "ch
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "optimizer", [(), ("opt_type=muon", "lr_schedule_type=wsd", "mu_dtype=bfloat16")], ids=["adamw", "muon_wsd"]
+  "optimizer",
+  [
+    (),
+    ("opt_type=muon", "lr_schedule_type=wsd", "mu_dtype=bfloat16"),
+    ("opt_type=adam_pax",),
+    ("opt_type=sgd", "lr_schedule_type=wsd", "wsd_decay_style=cosine"),
+    ("opt_type=adafactor",),
+  ],
+  ids=["adamw", "muon_wsd", "adam_pax", "sgd_wsd_cosine", "adafactor"],
 )
 def test_kill_9_and_resume_reproduces_the_uninterrupted_losses(tmp_path, optimizer):
   """A run killed with SIGKILL mid-way resumes from its last complete checkpoint with the uninterrupted run's
-  losses, with the default AdamW and cosine, and with Muon, warmup-stable-decay and a bfloat16 first moment."""
+  losses, for every optimizer (opt_type) and both schedules: AdamW and cosine (the defaults), Muon with
+  warmup-stable-decay and a bfloat16 first moment, adam_pax, SGD with a cosine wsd decay, Adafactor."""
   run = (*KILL_RUN, *optimizer)
   rc, _, err = _run_cli(tmp_path, "run_name=straight", *run, f"metrics_file={tmp_path}/straight.jsonl")
   assert rc == 0, err
