@@ -252,8 +252,9 @@ def test_lora_from_a_base_checkpoint_resumes_exactly_and_decodes_merged_or_not(t
     *common, "run_name=merged", f"load_full_state_path={tmp_path}/out/a/checkpoints/8/items", "lora_rank=4", "lora_alpha=8",
   )], env)  # fmt: skip
   assert proc.returncode == 0, proc.stderr
-  decode = ("tokenizer_type=huggingface", f"tokenizer_path={tmp_path}/tokenizer.json", "add_bos=false", "add_eos=false", "prompt=Which book",
-            "max_prefill_predict_length=8", "per_device_batch_size=1", "decode_sampling_strategy=greedy")  # fmt: skip
+  decode = ("tokenizer_type=huggingface", f"tokenizer_path={tmp_path}/tokenizer.json", "add_bos=false", "add_eos=false",
+            "prompt=Which book", "max_prefill_predict_length=8", "per_device_batch_size=1",
+            "decode_sampling_strategy=greedy")  # fmt: skip
   outputs = []
   for keys in (
     ("lora_rank=4", "lora_alpha=8", f"load_parameters_path={tmp_path}/out/a/checkpoints/8/items"),
