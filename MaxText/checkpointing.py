@@ -268,6 +268,13 @@ def check_compatible(path: str, target) -> None:
   failure inside Orbax's restore.
   """
   stored = {integrity.leaf_name(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(_metadata(path))}
+  wanted = {integrity.leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)}
+  unread = sorted(n for n in stored if n.startswith("params.") and n.endswith(lora.ADAPTERS) and n not in wanted)
+  if unread:  # Restoring without them would silently give the base model.
+    raise ConfigError(
+      f"checkpoint {path} holds LoRA adapters ({unread[0]}) that this config has none for; give the run's "
+      "lora_rank, lora_alpha and lora_target_modules (generate_param_only_checkpoint.py with them merges the adapters)"
+    )
   for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(target):
     name = integrity.leaf_name(leaf_path)
     if name not in stored:
@@ -356,6 +363,12 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
     check_compatible(path, {"params": _start_params(config, layout, path)})
+  trained_adapters = config.hf_lora_adapter_path or (config.load_parameters_path and _stores_adapters(path))
+  if config.use_dpo and config.lora_rank > 0 and trained_adapters:
+    raise ConfigError(
+      "use_dpo=true under LoRA compares with the base model (the adapters off), but this run starts from trained "
+      "adapters; merge them first (generate_param_only_checkpoint.py with their LoRA keys) and start from the merge"
+    )
 
 
 def _stores_adapters(path: str) -> bool:
@@ -444,7 +457,10 @@ class StartingPoint:
 def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> StartingPoint:
   """The state a run starts from, by the rules in this module's docstring (after check_start_paths)."""
   if manager is not None and manager.all_steps():
-    return _resume(config, manager, layout)
+    start = _resume(config, manager, layout)
+    if config.hf_lora_adapter_path:
+      start = dataclasses.replace(start, source=f"{start.source}; hf_lora_adapter_path unused: the run has its own")
+    return start
   if config.load_full_state_path:
     path = items_path("load_full_state_path", config.load_full_state_path)
     return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")

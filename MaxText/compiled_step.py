@@ -40,7 +40,7 @@ NOT_IN_STEP = frozenset({
   "grain_train_files", "grain_eval_files", "grain_worker_count", "dataset_path", "dataset_name", "eval_dataset_name",
   "train_split", "eval_split", "hf_path", "hf_data_dir", "hf_train_files", "hf_eval_files", "train_data_columns",
   "eval_data_columns", "packing", "use_sft", "sft_train_on_completion_only", "use_chat_template", "chat_template",
-  "chat_template_path",
+  "chat_template_path", "hf_lora_adapter_path", "hf_lora_export",
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "eval_batch_size", "reuse_example_batch",
   "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
   "load_parameters_path", "load_full_state_path",

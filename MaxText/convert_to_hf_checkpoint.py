@@ -9,8 +9,9 @@ keep the dtype they are stored in, so importing and exporting gives back the ori
 tokenizer_path set, the tokenizer files are copied too. OUT must be new or empty; it appears only when complete.
 
 A LoRA checkpoint (lora_rank > 0, the keys it was trained with) exports, by hf_lora_export, as the model with the
-adapters merged into its weights ("merged"), or as a PEFT adapter folder ("adapter": adapter_config.json +
-adapter_model.safetensors) that peft.PeftModel.from_pretrained loads on the exported base model.
+adapters merged into its weights ("merged"), as a PEFT adapter folder ("adapter": adapter_config.json +
+adapter_model.safetensors) that peft.PeftModel.from_pretrained loads on the base model, or as that base model
+without its adapters ("base").
 """
 
 import json
@@ -21,7 +22,6 @@ import sys
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
-import jax
 import numpy as np
 
 from MaxText import checkpointing, cli, families, lora, state
@@ -101,7 +101,7 @@ def export(config: Config) -> str:
     print(f"Wrote {out} (a PEFT LoRA adapter: {count} tensors, rank {config.lora_rank}) from {source}", flush=True)
     return out
   if config.lora_rank > 0:
-    params = jax.tree_util.tree_map(np.asarray, lora.merge(params, config))
+    params = lora.merge(params, config) if config.hf_lora_export == "merged" else lora.partition(params)[1]
     config = config.replace(lora_rank=0)
 
   with staged(out) as staging:

@@ -12,10 +12,12 @@ optimizer state covers only them (state.py), and the base weights stay bit for b
 adapters into the kernels, for export and serving.
 """
 
+import math
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
 from MaxText.common_types import Config, ConfigError
@@ -41,6 +43,11 @@ def check(values: Mapping) -> None:
   if rank == 0:
     if values["hf_lora_adapter_path"]:
       raise ConfigError("hf_lora_adapter_path is set but lora_rank=0; set lora_rank (and lora_alpha) to the adapter's")
+    if values["hf_lora_export"] != "merged":
+      raise ConfigError(
+        f"hf_lora_export={values['hf_lora_export']} exports a LoRA checkpoint's adapters; give the run's lora_rank, "
+        "lora_alpha and lora_target_modules"
+      )
     return
   if values["lora_alpha"] <= 0:
     raise ConfigError(f"lora_alpha={values['lora_alpha']} must be > 0 (an adapter adds lora_alpha / lora_rank x A B)")
@@ -51,9 +58,9 @@ def check(values: Mapping) -> None:
       f"choose from {list(HF_NAMES)} (or PEFT's {list(HF_NAMES.values())})"
     )
   smallest = min(values["emb_dim"], values["head_dim"], values["mlp_dim"])
-  if rank > smallest:
+  if rank >= smallest:
     raise ConfigError(
-      f"lora_rank={rank} is larger than the model's smallest projection width ({smallest}); a low-rank adapter "
+      f"lora_rank={rank} is not below the model's smallest projection width ({smallest}); a low-rank adapter "
       f"needs lora_rank < {smallest}"
     )
 
@@ -98,7 +105,8 @@ def adapters_off(params: dict) -> dict:
 
 def merge(params: dict, config: Config) -> dict:
   """The params with each adapter folded into its kernel, W + (lora_alpha / r) A B (in float32, then the kernel's
-  dtype), and no adapter leaves: a model for lora_rank=0."""
+  dtype), and no adapter leaves: a model for lora_rank=0. Host (NumPy) params are merged on the host, a kernel at
+  a time; jax.Arrays (jitted, sharded) by JAX."""
   flat = traverse_util.flatten_dict(params)
   merged = {}
   for path, value in flat.items():
@@ -106,19 +114,21 @@ def merge(params: dict, config: Config) -> dict:
       continue
     a, b = flat.get((*path[:-1], "lora_a")), flat.get((*path[:-1], "lora_b"))
     if path[-1] == "kernel" and a is not None:
-      delta = _product(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), jnp.ndim(value))
-      merged[path] = (jnp.asarray(value, jnp.float32) + scale(config) * delta).astype(value.dtype)
+      xp = np if all(isinstance(x, np.ndarray) for x in (value, a, b)) else jnp
+      f32 = [xp.asarray(x, xp.float32) for x in (value, a, b)]
+      merged[path] = (f32[0] + scale(config) * _product(*f32[1:], value.ndim, xp)).astype(value.dtype)
     else:
       merged[path] = value
   return traverse_util.unflatten_dict(merged)
 
 
-def _product(a: jax.Array, b: jax.Array, kernel_ndim: int) -> jax.Array:
-  """A [*in, r] B [r, *out] -> [*in, *out]; scanned stacks (a leading layers axis on all three) layer by layer."""
-
-  def one(a, b):
-    return jnp.tensordot(a, b, axes=([-1], [0]), precision=jax.lax.Precision.HIGHEST)
-
-  if (a.ndim - 1) + (b.ndim - 1) == kernel_ndim + 1:
-    return jax.vmap(one)(a, b)
-  return one(a, b)
+def _product(a, b, kernel_ndim: int, xp=jnp):
+  """A [*in, r] B [r, *out] -> [*in, *out] in float32; scanned stacks (a leading layers axis on all three) layer by
+  layer (a batched matmul)."""
+  scanned = (a.ndim - 1) + (b.ndim - 1) == kernel_ndim + 1
+  lead = a.shape[:1] if scanned else ()
+  in_shape, out_shape = a.shape[len(lead) : -1], b.shape[len(lead) + 1 :]
+  a2 = a.reshape(*lead, math.prod(in_shape), a.shape[-1])
+  b2 = b.reshape(*lead, b.shape[len(lead)], math.prod(out_shape))
+  product = xp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST) if xp is jnp else xp.matmul(a2, b2)
+  return product.reshape(*lead, *in_shape, *out_shape)

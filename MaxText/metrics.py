@@ -104,6 +104,8 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
   Training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not
   counted: these are model FLOPs, so MFU is comparable across remat policies. DPO (use_dpo) trains on two
   sequences per row (chosen and rejected) and runs the reference model forward on both: 2 x (3 + 1) forwards.
+  LoRA (lora_rank > 0) computes no gradient of the frozen weights: their matmuls count 2x the forward pass (the
+  adapters' own, rank-thin, are left out).
   """
   tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
   tokens *= 2 * 4 / 3 if config.use_dpo else 1
@@ -128,7 +130,8 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
     projections = 2 * e * (h + 2 * kv) * d + 2 * e * h * d
     attention_per_token = 4 * length * h * d
   mlps = mlp * moe_layers + dense_mlp * (layers - moe_layers)
-  weights = 3 * tokens * (projections * layers + mlps + 2 * e * config.vocab_size)
+  passes = 2 if config.lora_rank > 0 else 3  # forward and backward (activations, and weights unless frozen)
+  weights = passes * tokens * (projections * layers + mlps + 2 * e * config.vocab_size)
   attention = 3 * tokens * layers * attention_per_token / 2
   return TrainingFlops(weights=weights, attention=attention, total=weights + attention)
 

@@ -13,6 +13,7 @@ from flax import linen as nn
 from optax.contrib import MuonDimensionNumbers
 
 from MaxText import common_types as ct
+from MaxText import lora
 from MaxText.common_types import Config
 from MaxText.layers import models
 from MaxText.layers.linears import DTYPES
@@ -175,7 +176,6 @@ def adam_pax(learning_rate: optax.Schedule, b1, b2, eps, eps_root, weight_decay)
 
 
 # Logical axes that are not a matrix's rows or columns: the stacked layers and the experts.
-# Logical axes that are not a matrix's rows or columns: the stacked layers and the experts.
 _BATCH_AXES = (ct.LAYERS, ct.EXP)
 
 
@@ -183,7 +183,8 @@ def muon_dimensions(config: Config):
   """Muon's MuonDimensionNumbers for each parameter, None for those AdamW updates, from the parameters' logical
   axes: embeddings and the output head (a vocab axis), biases, and anything with fewer than two axes besides
   layers and experts, go to AdamW. A kernel whose last axis is the model's (embed: the attention output, an
-  MLP's wo) reduces over all its other axes; any other reduces over its first (the input) and outputs the rest."""
+  MLP's wo) or a LoRA rank (lora_a) reduces over all its other axes; any other reduces over its first (the input)
+  and outputs the rest. Under LoRA, only the adapters': the parameters the optimizer sees."""
   inputs = models.init_inputs(1, config.max_target_length)
   boxed = jax.eval_shape(lambda rng: models.Transformer(config).init(rng, *inputs)["params"], jax.random.key(0))
 
@@ -192,9 +193,10 @@ def muon_dimensions(config: Config):
     matrix = [i for i, name in enumerate(names) if name not in _BATCH_AXES]
     if len(matrix) < 2 or ct.VOCAB in names or path[-1].key.endswith("bias"):
       return None
-    if names[matrix[-1]] in (ct.EMBED, ct.EMBED_NO_EXP):
+    if names[matrix[-1]] in (ct.EMBED, ct.EMBED_NO_EXP, ct.LORA_RANK):
       return MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]), output_axis=(matrix[-1],))
     return MuonDimensionNumbers(reduction_axis=(matrix[0],), output_axis=tuple(matrix[1:]))
 
   specs = nn.get_partition_spec(boxed)
-  return jax.tree_util.tree_map_with_path(dims, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  out = jax.tree_util.tree_map_with_path(dims, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return lora.partition(out)[0] if config.lora_rank > 0 else out

@@ -83,7 +83,7 @@ def choices() -> dict[str, Collection[str]]:
     "lr_schedule_type": optimizers.SCHEDULES,
     "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
     "mu_dtype": ("", *linears.DTYPES),
-    "hf_lora_export": ("merged", "adapter"),
+    "hf_lora_export": ("merged", "adapter", "base"),
   }
 
 

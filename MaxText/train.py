@@ -105,11 +105,11 @@ def dpo_loss_fn(model, params, reference_params, batch, dropout_rng, determinist
 def dpo_loss_from_logits(config: Config, logits, reference_logits, both) -> tuple[jax.Array, dict]:
   """dpo_loss_fn's loss and aux from the policy's and the reference's logits over `both`: the BATCH_KEYS of the
   chosen rows followed by the rejected rows."""
-  policy, present = _sequence_logps(logits, both)
+  policy, scored = _sequence_logps(logits, both)
   reference, _ = _sequence_logps(reference_logits, both)
   half = policy.shape[0] // 2  # chosen pairs, then rejected ones, in the same order
   rewards = config.dpo_beta * (policy - reference)
-  chosen, rejected, present = rewards[:half], rewards[half:], present[:half]
+  chosen, rejected, present = rewards[:half], rewards[half:], scored[:half] & scored[half:]
   margin = chosen - rejected
   smoothing = config.dpo_label_smoothing
   losses = -(1.0 - smoothing) * jax.nn.log_sigmoid(margin) - smoothing * jax.nn.log_sigmoid(-margin)
@@ -128,16 +128,15 @@ def dpo_loss_from_logits(config: Config, logits, reference_logits, both) -> tupl
 
 
 def _sequence_logps(logits, batch) -> tuple[jax.Array, jax.Array]:
-  """(summed log-probabilities of the masked targets, whether the sequence exists), per (row, segment id) of a
+  """(summed log-probabilities of the masked targets, whether the sequence has any), per (row, segment id) of a
   packed batch: [rows * (length + 1)] each, row r's segment s at r * (length + 1) + s."""
   rows, length = batch["targets"].shape
   logps = -cross_entropy(logits, batch["targets"])
   ids = (jnp.arange(rows)[:, None] * (length + 1) + batch["inputs_segmentation"]).ravel()
-  masked = jnp.where(batch["targets_segmentation"] != 0, logps, 0.0).ravel()
-  sums = jax.ops.segment_sum(masked, ids, num_segments=rows * (length + 1))
-  real = (batch["inputs_segmentation"] != 0).astype(jnp.int32).ravel()
-  exists = jax.ops.segment_sum(real, ids, num_segments=rows * (length + 1))
-  return sums, exists > 0
+  in_loss = batch["targets_segmentation"] != 0
+  sums = jax.ops.segment_sum(jnp.where(in_loss, logps, 0.0).ravel(), ids, num_segments=rows * (length + 1))
+  counts = jax.ops.segment_sum(in_loss.astype(jnp.int32).ravel(), ids, num_segments=rows * (length + 1))
+  return sums, counts > 0
 
 
 def _moe_aux(config: Config, sown: dict, weight: jax.Array) -> dict:
@@ -330,8 +329,9 @@ def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState) -> dict
       "the evaluation split gave no full batch; lower eval_per_device_batch_size or give more eval documents"
     )
   avg = loss_sum / weight
-  scalars = {"eval/avg_loss": avg, "eval/perplexity": math.exp(min(avg, 700.0)), "eval/total_weights": weight}
-  return scalars | {f"eval/{k}": v / weight for k, v in sums.items()}
+  if config.use_dpo:  # a mean DPO loss per pair: no perplexity
+    return {"eval/avg_loss": avg, "eval/total_weights": weight} | {f"eval/{k}": v / weight for k, v in sums.items()}
+  return {"eval/avg_loss": avg, "eval/perplexity": math.exp(min(avg, 700.0)), "eval/total_weights": weight}
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -398,6 +398,11 @@ def build(config: Config, devices=None):
   if missing:
     raise ConfigError(f"logical_axis_rules has no rule for {missing}; add [name, [mesh axes]] entries for them")
   model = models.Transformer(config, mesh)
+  if config.lora_rank > 0 and not jax.tree_util.tree_leaves(lora.partition(state_lib.abstract_params(config))[0]):
+    raise ConfigError(
+      f"lora_target_modules={list(config.lora_target_modules)} names no projection of decoder_block="
+      f"{config.decoder_block} (multi-head latent attention and the experts take no adapters); name others"
+    )
   schedule = optimizers.learning_rate_schedule(config)
   tx = optimizers.create_optimizer(config, schedule)
   return mesh, model, schedule, tx, state_lib.state_layout(model, config, tx, mesh)

@@ -111,7 +111,16 @@ def read_adapter(folder: str, config: Config, mapping: hf_families.HFMapping, ab
       )
     dotted, index = found
     leaf = get(abstract, dotted)
-    (value,) = group.to_ours(stored[name])
+    want = leaf.shape[1:] if index is not None else leaf.shape
+    try:
+      (value,) = group.to_ours(stored[name])
+    except ValueError:
+      value = None
+    if value is None or tuple(value.shape) != tuple(want):
+      raise ConfigError(
+        f"hf_lora_adapter_path={folder}: {name} has shape {tuple(stored[name].shape)}, which does not fit this "
+        "model; give the adapter of this base model"
+      )
     try:
       target = get(out, dotted)
     except KeyError:
@@ -120,8 +129,6 @@ def read_adapter(folder: str, config: Config, mapping: hf_families.HFMapping, ab
       target = value
     else:
       target[index] = value
-    if tuple(np.shape(target)) != tuple(leaf.shape):
-      raise ConfigError(f"hf_lora_adapter_path={folder}: {name} has shape {stored[name].shape}, not this model's")
     put(out, dotted, target)
     used.add(name)
   extra = sorted(set(stored) - used)

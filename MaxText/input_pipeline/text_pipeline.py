@@ -14,8 +14,8 @@
 
 Fine-tuning data (use_sft) takes another road from the record to the pieces: sft.Conversation renders and
 tokenizes a conversation with the mask of the tokens the loss sees, a conversation longer than max_target_length
-+ 1 tokens is cut there (its end is lost, as in MaxText), and targets outside the mask get segment id 0, so the
-loss skips them while attention still sees their tokens.
++ 1 tokens is cut there (its end is lost, as in MaxText; one cut before any target in the loss is dropped), and
+targets outside the mask get segment id 0, so the loss skips them while attention still sees their tokens.
 
 The Grain iterator's state (a small dict) is what a checkpoint stores to resume exactly. This module is
 imported only by runs that read text, so the synthetic path never imports Grain or a tokenizer library.
@@ -63,13 +63,14 @@ PREFIXES = {"conversations": ("",), "preferences": ("chosen_", "rejected_")}
 
 
 class HasTargets:
-  """Keeps an example whose every sequence has a token to predict."""
+  """Keeps an example (after Shift) whose every sequence keeps a target in the loss: a conversation or a pair cut
+  before its response would only add rows without a gradient (and DPO pairs scored at a margin of 0)."""
 
   def __init__(self, prefixes: tuple[str, ...]):
     self.prefixes = prefixes
 
   def __call__(self, example: dict) -> bool:
-    return all(len(example[f"{p}tokens"]) > 1 for p in self.prefixes)
+    return all(example[f"{p}targets_mask"].any() for p in self.prefixes)
 
 
 class Shift(grain.transforms.Map):
@@ -153,7 +154,7 @@ def make_dataset(
   if examples == "documents":
     dataset = grain_experimental.FlatMapIterDataset(dataset, Pieces(length, max_document_tokens // length + 1))
   else:
-    dataset = dataset.filter(HasTargets(prefixes)).map(Shift(length, prefixes))
+    dataset = dataset.map(Shift(length, prefixes)).filter(HasTargets(prefixes))
   if packing:
     keys = ("inputs", "targets") if examples == "documents" else ("inputs", "targets", "targets_mask")
     dataset = grain_experimental.FirstFitPackIterDataset(

@@ -72,11 +72,11 @@ class DenseGeneral(nn.Module):
       self._adapter(in_shape, features, weight_dtype) if self.adapter and lora.applies(self.config, self.name) else None
     )
     if weights_only:
-      kernel = kernel.astype(dtype)
-      if adapter is not None:  # merged for the fused matmul: the same sum, W + s A B
-        a, b = (w.astype(dtype) for w in adapter)
-        kernel = kernel + lora.scale(self.config) * jnp.tensordot(a, b, axes=([-1], [0])).astype(dtype)
-      return kernel, bias
+      if adapter is not None:  # merged for the fused matmul, in float32: the same sum, W + s A B
+        a, b = (w.astype(jnp.float32) for w in adapter)
+        low = jnp.tensordot(a, b, axes=([-1], [0]), precision=PRECISIONS[self.config.matmul_precision])
+        kernel = kernel.astype(jnp.float32) + lora.scale(self.config) * low
+      return kernel.astype(dtype), bias
     y = _contract(x.astype(dtype), kernel.astype(dtype), self.num_in, self.config)
     if adapter is not None:
       a, b = (w.astype(dtype) for w in adapter)

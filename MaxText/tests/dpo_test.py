@@ -143,9 +143,9 @@ def _preference(files, template=None, columns=("prompt", "chosen", "rejected")):
   return sft.Preference(str(path), kind, columns, "train_data_columns", template, True, True, True)
 
 
-def _pair_batches(files, rows, packing, template=CHATML):  # noqa: F811
+def _pair_batches(files, rows, packing, template=CHATML, pairs=PAIRS):  # noqa: F811
   dataset = text_pipeline.make_dataset(
-    PAIRS, tokenize=_preference(files, template), length=64, rows=rows, seed=0, num_epochs=1, process_index=0,
+    pairs, tokenize=_preference(files, template), length=64, rows=rows, seed=0, num_epochs=1, process_index=0,
     process_count=1, shuffle=False, packing=packing, examples="preferences",
   )  # fmt: skip
   return list(dataset)
@@ -280,3 +280,11 @@ def test_dpo_under_lora_takes_the_base_as_its_reference(files):  # noqa: F811
   _, metrics = step(new_state, batch)
   assert float(metrics["learning/dpo_reward_margin"]) > 0
   jax.tree.map(np.testing.assert_array_equal, lora.partition(new_state.params)[1], lora.partition(state.params)[1])
+
+
+def test_a_pair_cut_before_its_responses_is_dropped(files):  # noqa: F811
+  long = {"prompt": "Which book? " + "In the beginning " * 40, "chosen": "Genesis", "rejected": "Hamlet"}
+  batches = _pair_batches(files, 5, packing=False, pairs=[*PAIRS, long])
+  assert len(batches) == 0, "five rows need five pairs: the long one must be gone"
+  batch = _pair_batches(files, 4, packing=False, pairs=[*PAIRS, long])[0]
+  assert all(batch[f"{side}_targets_segmentation"].any(axis=1).all() for side in ("chosen", "rejected"))
