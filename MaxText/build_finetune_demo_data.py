@@ -1,7 +1,8 @@
 """Builds the fine-tuning demo's data from the demo corpus: `python3 MaxText/build_finetune_demo_data.py OUT_DIR`.
 
-Two kinds of question with one-phrase answers, taken from the corpus's own documents (build_demo_dataset.py):
+Three kinds of question with one-phrase answers, taken from the corpus's own documents (build_demo_dataset.py):
 
+  "Is this from the Bible or from Shakespeare? TEXT"    -> "the Bible" or "Shakespeare" (half of the questions)
   "Which book of the Bible is this verse from? VERSE"   -> the book ("2 Chronicles"), from a King James chapter
   "Which play is this line from? LINE"                  -> the play ("Pericles"), from a Shakespeare scene
 
@@ -23,8 +24,10 @@ import sys
 
 import numpy as np
 
+SOURCE_QUESTION = "Is this from the Bible or from Shakespeare? "
 BIBLE_QUESTION = "Which book of the Bible is this verse from? "
 PLAY_QUESTION = "Which play is this line from? "
+SOURCES = {"bible": "the Bible", "play": "Shakespeare"}
 _CHAPTER = re.compile(r"^(.*\S) \d+$")  # a King James document's title: "2 Chronicles 2"
 _SENTENCE_END = re.compile(r"(?<=[.?!;:])\s+")
 _STAGE = re.compile(r"^(Enter|Exit|Exeunt|Re-enter|\[|ACT |SCENE )")
@@ -57,8 +60,9 @@ def questions(document: str) -> tuple[str, str, list[str]]:
 
 
 def build(train_docs: list[str], heldout_docs: list[str], per_document: tuple[int, int], seed: int = 0) -> dict:
-  """{split: [(question, answer, kind)]}: up to per_document[0] questions per training document and
-  per_document[1] per held-out one, drawn with `seed`."""
+  """{split: [(question, answer, kind)]}: up to per_document[0] passages per training document and per_document[1]
+  per held-out one, drawn with `seed`, each asked about its source (kind "source") or its book or play (kind
+  "bible" or "play") at random."""
   rng = np.random.default_rng(seed)
   out = {}
   for split, docs, k in (("train", train_docs, per_document[0]), ("heldout", heldout_docs, per_document[1])):
@@ -67,7 +71,10 @@ def build(train_docs: list[str], heldout_docs: list[str], per_document: tuple[in
       kind, answer, passages = questions(doc)
       prefix = BIBLE_QUESTION if kind == "bible" else PLAY_QUESTION
       for i in rng.choice(len(passages), size=min(k, len(passages)), replace=False) if passages else []:
-        rows.append((prefix + passages[i], answer, kind))
+        if rng.random() < 0.5:
+          rows.append((SOURCE_QUESTION + passages[i], SOURCES[kind], "source"))
+        else:
+          rows.append((prefix + passages[i], answer, kind))
     rng.shuffle(rows)
     out[split] = rows
   return out
@@ -75,7 +82,9 @@ def build(train_docs: list[str], heldout_docs: list[str], per_document: tuple[in
 
 def write(out_dir: str, sets: dict, seed: int = 0) -> None:
   rng = np.random.default_rng(seed + 1)
-  answers = {kind: sorted({a for rows in sets.values() for _, a, k in rows if k == kind}) for kind in ("bible", "play")}
+  kinds = ("source", "bible", "play")
+  answers = {kind: sorted({a for rows in sets.values() for _, a, k in rows if k == kind}) for kind in kinds}
+  answers["source"] = sorted(SOURCES.values())
   os.makedirs(out_dir, exist_ok=True)
   for split, rows in sets.items():
     with open(os.path.join(out_dir, f"sft_{split}.jsonl"), "w", encoding="utf-8") as f:

@@ -31,10 +31,11 @@ DPO=(use_dpo=true dpo_beta=0.1 train_data_columns="['prompt','chosen','rejected'
   hf_eval_files="$OUT/data/dpo_heldout.jsonl")
 LORA=(lora_rank=16 lora_alpha=32)
 
-# accuracy STAGE [decode keys...]: greedy answers to the held-out questions, scored by exact match.
+# accuracy STAGE RUN [decode keys...]: greedy answers of run RUN's latest checkpoint (or of load_parameters_path)
+# to the held-out questions, scored by exact match.
 accuracy() {
-  local stage=$1; shift
-  python3 MaxText/decode.py MaxText/configs/demo.yml run_name=decode base_output_directory="$OUT/runs" \
+  local stage=$1 run=$2; shift 2
+  python3 MaxText/decode.py MaxText/configs/demo.yml run_name="$run" base_output_directory="$OUT/runs" \
     use_chat_template=true decode_prompts_file="$OUT/data/heldout_prompts.txt" per_device_batch_size=64 \
     max_prefill_predict_length=128 max_target_length=144 decode_sampling_strategy=greedy "$@" > "$OUT/$stage.decode.txt"
   python3 - "$OUT/$stage.decode.txt" "$OUT/data" "$stage" <<'PY' | tee -a "$OUT/accuracy.txt"
@@ -44,33 +45,40 @@ answers = open(f"{sys.argv[2]}/heldout_answers.txt", encoding="utf-8").read().sp
 prompts = open(f"{sys.argv[2]}/heldout_prompts.txt", encoding="utf-8").read().splitlines()
 assert len(outputs) == len(answers) == len(prompts), (len(outputs), len(answers), len(prompts))
 right = [o.strip() == a for o, a in zip(outputs, answers)]
-books = [r for r, p in zip(right, prompts) if p.startswith("Which book")]
-plays = [r for r, p in zip(right, prompts) if p.startswith("Which play")]
-print(f"{sys.argv[3]:<24} exact match {sum(right)}/{len(right)} = {100 * sum(right) / len(right):.1f}% "
-      f"(books {sum(books)}/{len(books)}, plays {sum(plays)}/{len(plays)})")
+kinds = {"source": "Is this from", "book": "Which book", "play": "Which play"}
+parts = [(k, [r for r, p in zip(right, prompts) if p.startswith(start)]) for k, start in kinds.items()]
+print(f"{sys.argv[3]:<20} exact match {sum(right)}/{len(right)} = {100 * sum(right) / len(right):.1f}% ("
+      + ", ".join(f"{k} {sum(r)}/{len(r)}" for k, r in parts) + ")")
 PY
 }
 
-python3 - "$OUT/data/heldout_answers.txt" <<'PY' | tee "$OUT/accuracy.txt"
+python3 - "$OUT/data" <<'PY' | tee "$OUT/accuracy.txt"
 import collections, sys
-answers = open(sys.argv[1], encoding="utf-8").read().splitlines()
-answer, count = collections.Counter(answers).most_common(1)[0]
-print(f"{'majority answer':<24} exact match {count}/{len(answers)} = {100 * count / len(answers):.1f}% ({answer!r} every time)")
+answers = open(f"{sys.argv[1]}/heldout_answers.txt", encoding="utf-8").read().splitlines()
+prompts = open(f"{sys.argv[1]}/heldout_prompts.txt", encoding="utf-8").read().splitlines()
+kinds = {"source": "Is this from", "book": "Which book", "play": "Which play"}
+parts = []
+for kind, start in kinds.items():  # the most frequent answer of each kind, every time
+  mine = [a for a, p in zip(answers, prompts) if p.startswith(start)]
+  parts.append((kind, collections.Counter(mine).most_common(1)[0][1], len(mine)))
+right = sum(r for _, r, _ in parts)
+print(f"{'majority answers':<20} exact match {right}/{len(answers)} = {100 * right / len(answers):.1f}% ("
+      + ", ".join(f"{k} {r}/{n}" for k, r, n in parts) + ")")
 PY
-accuracy "quick-start model" load_parameters_path="$BASE"
+accuracy "quick-start model" decode load_parameters_path="$BASE"
 
 python3 MaxText/train.py MaxText/configs/demo.yml run_name=sft_full load_parameters_path="$BASE" "${COMMON[@]}" \
   "${SFT[@]}" steps=400 learning_rate=1e-3 eval_interval=400
-accuracy "SFT (full)" run_name=sft_full
+accuracy "SFT (full)" sft_full
 
 python3 MaxText/train.py MaxText/configs/demo.yml run_name=sft_lora load_parameters_path="$BASE" "${COMMON[@]}" \
   "${SFT[@]}" "${LORA[@]}" steps=400 learning_rate=5e-3 eval_interval=400
-accuracy "SFT (LoRA rank 16)" run_name=sft_lora "${LORA[@]}"
+accuracy "SFT (LoRA rank 16)" sft_lora "${LORA[@]}"
 
 SFT_CKPT="$OUT/runs/sft_full/checkpoints/$(latest "$OUT/runs/sft_full")/items"
 python3 MaxText/train.py MaxText/configs/demo.yml run_name=dpo load_parameters_path="$SFT_CKPT" "${COMMON[@]}" \
   "${DPO[@]}" steps=150 learning_rate=2e-4 eval_interval=150
-accuracy "SFT (full) then DPO" run_name=dpo
+accuracy "SFT (full) then DPO" dpo
 
 echo "wall time: $(( $(date +%s) - start )) s"
 cat "$OUT/accuracy.txt"

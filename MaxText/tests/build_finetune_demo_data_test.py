@@ -29,15 +29,21 @@ def test_questions_take_their_answer_from_the_document():
 
 def test_held_out_questions_come_only_from_held_out_documents(tmp_path):
   hamlet = SCENE.replace("Pericles", "Hamlet")
-  sets = demo.build([CHAPTER, SCENE, hamlet], [OTHER], per_document=(2, 2))
-  assert {a for _, a, _ in sets["train"]} == {"2 Chronicles", "Pericles", "Hamlet"} and len(sets["train"]) == 6
-  assert sets["heldout"] == [(demo.BIBLE_QUESTION + OTHER.split("\n")[2], "Genesis", "bible")]
+  sets = demo.build([CHAPTER, SCENE, hamlet], [OTHER], per_document=(2, 2), seed=1)
+  assert len(sets["train"]) == 6 and {k for _, _, k in sets["train"]} == {"source", "bible", "play"}
+  for question, answer, kind in sets["train"]:
+    if kind == "source":
+      assert question.startswith(demo.SOURCE_QUESTION) and answer in ("the Bible", "Shakespeare")
+    else:
+      assert answer in {"2 Chronicles", "Pericles", "Hamlet"}
+  ((question, answer, kind),) = sets["heldout"]
+  assert question.endswith(OTHER.split("\n")[2]) and answer in ("Genesis", "the Bible")
   demo.write(str(tmp_path), sets)
   sft = [json.loads(line) for line in open(tmp_path / "sft_train.jsonl", encoding="utf-8")]
   dpo = [json.loads(line) for line in open(tmp_path / "dpo_train.jsonl", encoding="utf-8")]
   assert [r["completion"] for r in sft] == [r["chosen"] for r in dpo]
-  kinds = [{"2 Chronicles", "Genesis"}, {"Pericles", "Hamlet"}]
+  kinds = [{"2 Chronicles", "Genesis"}, {"Pericles", "Hamlet"}, {"the Bible", "Shakespeare"}]
   for row in dpo:  # the wrong answer is another answer of the same kind
     assert row["rejected"] != row["chosen"] and any({row["chosen"], row["rejected"]} <= kind for kind in kinds)
-  assert (tmp_path / "heldout_answers.txt").read_text() == "Genesis\n"
-  assert (tmp_path / "heldout_prompts.txt").read_text().startswith("Which book of the Bible is this verse from? In the")
+  assert (tmp_path / "heldout_answers.txt").read_text() == answer + "\n"
+  assert (tmp_path / "heldout_prompts.txt").read_text() == question + "\n"
