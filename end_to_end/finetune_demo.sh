@@ -26,7 +26,7 @@ COMMON=(base_output_directory="$OUT/runs" use_chat_template=true dataset_type=hf
 SFT=(use_sft=true sft_train_on_completion_only=true train_data_columns="['prompt','completion']"
   eval_data_columns="['prompt','completion']" hf_train_files="$OUT/data/sft_train.jsonl"
   hf_eval_files="$OUT/data/sft_heldout.jsonl")
-DPO=(use_dpo=true dpo_beta=0.1 train_data_columns="['prompt','chosen','rejected']"
+DPO=(use_dpo=true dpo_beta=0.5 train_data_columns="['prompt','chosen','rejected']"
   eval_data_columns="['prompt','chosen','rejected']" hf_train_files="$OUT/data/dpo_train.jsonl"
   hf_eval_files="$OUT/data/dpo_heldout.jsonl")
 LORA=(lora_rank=16 lora_alpha=32)
@@ -77,7 +77,7 @@ accuracy "SFT (LoRA rank 16)" sft_lora "${LORA[@]}"
 
 SFT_CKPT="$OUT/runs/sft_full/checkpoints/$(latest "$OUT/runs/sft_full")/items"
 python3 MaxText/train.py MaxText/configs/demo.yml run_name=dpo load_parameters_path="$SFT_CKPT" "${COMMON[@]}" \
-  "${DPO[@]}" steps=150 learning_rate=2e-4 eval_interval=150
+  "${DPO[@]}" steps=100 learning_rate=2e-5 eval_interval=100
 accuracy "SFT (full) then DPO" dpo
 
 echo "wall time: $(( $(date +%s) - start )) s"

@@ -252,10 +252,15 @@ def test_dpo_from_a_checkpoint_trains_evaluates_and_resumes_exactly(files, tmp_p
     ("train_data_columns=['prompt','chosen','reject']", "does not name preference pairs"),
     ("dpo_beta=0", "dpo_beta=0.0 must be > 0"),
     ("use_sft=true", "use_dpo=true and use_sft=true"),
+    ("no_rejected", "train_data_columns=['prompt', 'chosen', 'rejected']: a record has no column 'rejected'"),
   ],
 )
 def test_bad_dpo_input_exits_2_with_one_line_and_writes_nothing(files, tmp_path, change, message):  # noqa: F811
-  args = _dpo_args(files, tmp_path, "run_name=bad", "steps=2", "enable_checkpointing=true", change)
+  args = _dpo_args(files, tmp_path, "run_name=bad", "steps=2", "enable_checkpointing=true")
+  if change == "no_rejected":
+    _write_jsonl(tmp_path / "pairs.jsonl", [{k: v for k, v in p.items() if k != "rejected"} for p in PAIRS])
+  else:
+    args.append(change)
   rc, out, err = _train(args, tmp_path)
   assert rc == 2, (out, err)
   assert err.count("\n") == 1 and message in err, err

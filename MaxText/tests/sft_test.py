@@ -342,6 +342,7 @@ def test_sft_trains_evaluates_and_resumes_from_the_command_line(files, tmp_path)
     ("eval_data_columns=['text']", "eval_data_columns=['text'] does not name a conversation"),
     ("no_assistant", "train_data_columns: a conversation has no assistant turn"),
     ("dataset_type=synthetic", "use_sft=true trains on conversations"),
+    ("lora_rank=64", "lora_rank=64 is not below the model's smallest projection width"),
   ],
 )
 def test_bad_sft_input_exits_2_with_one_line_and_writes_nothing(files, tmp_path, change, message):
