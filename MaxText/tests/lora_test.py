@@ -222,6 +222,14 @@ def test_peft_adapter_round_trip_through_transformers(family, scan, tmp_path):
   merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
   hf.assert_close(ours, hf.hf_logits(merged, tokens, valid), valid)
 
+  # A run started from the base with hf_lora_adapter_path holds the adapters bit for bit, placed as its layout says.
+  base_items = checkpointing.save_params(str(tmp_path / "base_ckpt/checkpoints"), jax.device_get(base))
+  start_cfg = cfg.replace(load_parameters_path=base_items, hf_lora_adapter_path=str(tmp_path / "adapter"))
+  _, model, _, tx, layout = train.build(start_cfg, jax.devices()[:1])
+  start = checkpointing.restore_or_init(start_cfg, None, model, tx, layout)
+  assert "adapters from" in start.source
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(start.state.params), jax.device_get(params))
+
   abstract = lora.partition(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))[0]
   where = lambda p, i: families.param_path(cfg, p, i)  # noqa: E731
   read = peft.read_adapter(str(tmp_path / "adapter"), cfg, families.hf_mapping(cfg), abstract, where)
