@@ -190,8 +190,10 @@ class Conversation:
     turns = self.turns(record)
     if self.template is None:
       tokens, mask = self._plain(turns)
-    else:
+    elif self.completion_only:
       tokens, mask = self._templated(turns)
+    else:  # every token in the loss: no prefix renderings needed
+      tokens = self._tokens_of(turns, add_generation_prompt=False)
     if not self.completion_only:
       mask = [1] * len(tokens)
     return {"tokens": np.asarray(tokens, np.int32), "mask": np.asarray(mask, np.int32)}

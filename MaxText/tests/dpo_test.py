@@ -1,7 +1,6 @@
 """DPO: the loss against a float64 NumPy reference, preference records, packed pairs, and the command line."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from MaxText import input_pipeline, train
 from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import sft, text_pipeline
 from MaxText.tests.helpers import config, metrics_losses
-from MaxText.tests.sft_test import CHATML, _sft_args, _train, _write_jsonl, files  # noqa: F401 (a fixture)
+from MaxText.tests.sft_test import CHATML, _sft_args, _train, _write_jsonl, assert_refused, files  # noqa: F401 (a fixture)
 
 BETA, SMOOTHING = 0.3, 0.2
 
@@ -220,13 +219,13 @@ def test_dpo_from_a_checkpoint_trains_evaluates_and_resumes_exactly(files, tmp_p
   """SFT for 4 steps, then configs/dpo.yml from its parameters: the reward accuracy and margin are logged, the
   loss falls from log 2, and a run stopped at step 4 and resumed (its reference model restored from the
   checkpoint) repeats the uninterrupted run's losses."""
-  rc, _, err = _train(_sft_args(files, tmp_path, "run_name=sft", "steps=4", "enable_checkpointing=true"), tmp_path)
+  rc, _, err = _train(_sft_args(files, tmp_path, "run_name=sft", "steps=4", "enable_checkpointing=true"))
   assert rc == 0, err
   start = f"load_parameters_path={tmp_path}/out/sft/checkpoints/4/items"
   common = (start, "learning_rate=3e-3", "learning_rate_schedule_steps=8", "enable_checkpointing=true")
   common += ("checkpoint_period=4", "eval_interval=4", "eval_steps=1", "per_device_batch_size=2")
   args = _dpo_args(files, tmp_path, "run_name=a", "steps=8", f"metrics_file={tmp_path}/a.jsonl", *common)
-  rc, out, err = _train(args, tmp_path)
+  rc, out, err = _train(args)
   assert rc == 0, err
   logged = [json.loads(line) for line in open(tmp_path / "a.jsonl", encoding="utf-8")]
   steps = {m["step"]: m for m in logged if "learning/loss" in m}
@@ -237,9 +236,9 @@ def test_dpo_from_a_checkpoint_trains_evaluates_and_resumes_exactly(files, tmp_p
   assert [m["step"] for m in evals] == [3, 7] and "DPO loss" in out
 
   first = _dpo_args(files, tmp_path, "run_name=b", "steps=4", f"metrics_file={tmp_path}/b.jsonl", *common)
-  assert _train(first, tmp_path)[0] == 0
+  assert _train(first)[0] == 0
   resumed = _dpo_args(files, tmp_path, "run_name=b", "steps=8", f"metrics_file={tmp_path}/b.jsonl", *common)
-  rc, out, err = _train(resumed, tmp_path)
+  rc, out, err = _train(resumed)
   assert rc == 0 and "resumed from" in out, err
   assert metrics_losses(tmp_path / "b.jsonl") == metrics_losses(tmp_path / "a.jsonl")
 
@@ -261,10 +260,7 @@ def test_bad_dpo_input_exits_2_with_one_line_and_writes_nothing(files, tmp_path,
     _write_jsonl(tmp_path / "pairs.jsonl", [{k: v for k, v in p.items() if k != "rejected"} for p in PAIRS])
   else:
     args.append(change)
-  rc, out, err = _train(args, tmp_path)
-  assert rc == 2, (out, err)
-  assert err.count("\n") == 1 and message in err, err
-  assert not os.path.exists(tmp_path / "out")
+  assert_refused(args, tmp_path, message)
 
 
 def test_dpo_under_lora_takes_the_base_as_its_reference(files):  # noqa: F811

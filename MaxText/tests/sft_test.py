@@ -295,7 +295,7 @@ def _sft_args(files, tmp_path, *extra):
   )]  # fmt: skip
 
 
-def _train(args, tmp_path):
+def _train(args):
   import sys
 
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -310,21 +310,15 @@ def test_sft_trains_evaluates_and_resumes_from_the_command_line(files, tmp_path)
 
   common = ("eval_interval=6", "eval_steps=2", "enable_checkpointing=true", "checkpoint_period=6")
   common += ("learning_rate_schedule_steps=12",)  # the same schedule for the run stopped at 6
-  rc, out, err = _train(
-    _sft_args(files, tmp_path, "run_name=a", "steps=12", f"metrics_file={tmp_path}/a.jsonl", *common), tmp_path
-  )
+  rc, out, err = _train(_sft_args(files, tmp_path, "run_name=a", "steps=12", f"metrics_file={tmp_path}/a.jsonl", *common))
   assert rc == 0, err
   straight = metrics_losses(tmp_path / "a.jsonl")
   assert straight[11] < straight[0]
   evals = [m for m in map(json.loads, open(tmp_path / "a.jsonl", encoding="utf-8")) if "eval/avg_loss" in m]
   assert [m["step"] for m in evals] == [5, 11]
-  rc, _, err = _train(
-    _sft_args(files, tmp_path, "run_name=b", "steps=6", f"metrics_file={tmp_path}/b.jsonl", *common), tmp_path
-  )
+  rc, _, err = _train(_sft_args(files, tmp_path, "run_name=b", "steps=6", f"metrics_file={tmp_path}/b.jsonl", *common))
   assert rc == 0, err
-  rc, out, err = _train(
-    _sft_args(files, tmp_path, "run_name=b", "steps=12", f"metrics_file={tmp_path}/b.jsonl", *common), tmp_path
-  )
+  rc, out, err = _train(_sft_args(files, tmp_path, "run_name=b", "steps=12", f"metrics_file={tmp_path}/b.jsonl", *common))
   assert rc == 0 and "resumed from" in out, err
   assert metrics_losses(tmp_path / "b.jsonl") == straight
 
@@ -351,7 +345,12 @@ def test_bad_sft_input_exits_2_with_one_line_and_writes_nothing(files, tmp_path,
     _write_jsonl(tmp_path / "train.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}] * 4)
   else:
     args.append(change)
-  rc, out, err = _train(args, tmp_path)
+  assert_refused(args, tmp_path, message)
+
+
+def assert_refused(args, tmp_path, message):
+  """train.py with `args` exits 2 with one line holding `message`, and writes nothing."""
+  rc, out, err = _train(args)
   assert rc == 2, (out, err)
   assert err.count("\n") == 1 and message in err, err
   assert not os.path.exists(tmp_path / "out")
