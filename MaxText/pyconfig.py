@@ -26,7 +26,7 @@ from MaxText import families, input_pipeline, lora, metrics, optimizers, storage
 from MaxText.common_types import Config, ConfigError, freeze
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
-from MaxText.layers import attention_kernels, embeddings, linears, models
+from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 BASE_YML = os.path.join(CONFIGS_DIR, "base.yml")
@@ -39,6 +39,7 @@ PARALLELISM_AXES = {
   "pipeline": "stage",
   "fsdp": "fsdp",
   "sequence": "sequence",
+  "context": "context",
   "tensor": "tensor",
   "expert": "expert",
 }
@@ -84,6 +85,7 @@ def choices() -> dict[str, Collection[str]]:
     "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
     "mu_dtype": ("", *linears.DTYPES),
     "hf_lora_export": ("merged", "adapter", "base"),
+    "context_parallel_strategy": context_parallel.STRATEGIES,
   }
 
 
@@ -649,6 +651,18 @@ def _check_shards(values: Mapping, d: Mapping) -> None:
         f"{key}={size} does not split over the {shards} shards of the mesh axes of {logical}: {axes}; make the product "
         f"of these parallelism values divide {size}"
       )
+  shards, axes = _shards(values, d, "activation_length")
+  if shards > 1 and values["context_parallel_load_balance"] and values["max_target_length"] % (2 * shards):
+    raise ConfigError(
+      f"context_parallel_load_balance: max_target_length={values['max_target_length']} does not split into 2 x "
+      f"{shards} chunks for the {shards} sequence shards of {axes}; make it a multiple of {2 * shards}, or set "
+      "context_parallel_load_balance=false"
+    )
+  if shards > 1 and values["attention"].startswith("cudnn"):
+    raise ConfigError(
+      f"attention={values['attention']} (cuDNN) does not run under context parallelism ({axes}); use "
+      "attention=flash or dot_product"
+    )
   shards, axes = _shards(values, d, "activation_batch")
   batch_axes = _rule_of(values, "activation_batch")
   elsewhere = [

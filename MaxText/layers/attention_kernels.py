@@ -21,6 +21,7 @@ rows or the loss.
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +54,25 @@ GPU_PLATFORMS = ("gpu", "cuda")
 def attention_mask(segment_ids: jax.Array, positions: jax.Array, window=0) -> jax.Array:
   """[batch, 1, 1, q_len, kv_len] bool: causal, only within the same segment (packed document), and, for a
   positive `window` (sliding-window attention), only the keys less than `window` positions back."""
-  length = segment_ids.shape[1]
-  causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-  same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-  mask = causal[None] & same_segment & within_window(positions[:, :, None], positions[:, None, :], window)
-  return mask[:, None, None]
+  index = jnp.arange(segment_ids.shape[1])
+  return Tokens(segment_ids, positions, index).mask(Tokens(segment_ids, positions, index), window)[:, None, None]
+
+
+class Tokens(NamedTuple):
+  """What the masks need of a run of query or key tokens: segment_ids and positions [batch, n], and `index`
+  [n], each token's place in the whole sequence (causality goes by it). Plain attention has index 0..n-1;
+  under context parallelism a device's queries and the keys it sees are pieces of the sequence, with their
+  indices ascending."""
+
+  segment_ids: jax.Array
+  positions: jax.Array
+  index: jax.Array
+
+  def mask(self, keys: "Tokens", window=0) -> jax.Array:
+    """[batch, q, k] bool: key visible to query (causal by index, same segment, within the window)."""
+    mask = (self.index[:, None] >= keys.index[None, :])[None]
+    mask = mask & (self.segment_ids[:, :, None] == keys.segment_ids[:, None, :])
+    return mask & within_window(self.positions[:, :, None], keys.positions[:, None, :], window)
 
 
 def within_window(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
@@ -79,11 +94,18 @@ def dot_product_attention(q, k, v, segment_ids, positions, precision, window=0, 
   q: [batch, length, heads, head_dim] (already scaled); k, v: [batch, length, kv_heads, head_dim];
   returns [batch, length, heads, head_dim].
   """
+  tokens = Tokens(segment_ids, positions, jnp.arange(q.shape[1]))
+  return dense_attention(q, k, v, tokens, tokens, precision, window, cap)
+
+
+def dense_attention(q, k, v, queries: Tokens, keys: Tokens, precision, window=0, cap=0.0):
+  """dot_product_attention of queries [batch, q_len, heads, head_dim] against keys and values [batch, k_len,
+  kv_heads, head_dim], masked by their Tokens."""
   b, t, h, d = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
-  logits = jnp.where(attention_mask(segment_ids, positions, window), soft_cap(logits, cap), MASK_VALUE)
+  logits = jnp.where(queries.mask(keys, window)[:, None, None], soft_cap(logits, cap), MASK_VALUE)
   weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=precision)
   return out.reshape(b, t, h, -1)
@@ -92,49 +114,43 @@ def dot_product_attention(q, k, v, segment_ids, positions, precision, window=0, 
 # ------------------------------------------------------------------------------------------- blockwise (flash)
 
 
-def _is_static(window) -> bool:
+def is_static(window) -> bool:
   return isinstance(window, (int, np.integer))
 
 
-def _pad_to(x: jax.Array, length: int, value) -> jax.Array:
-  """x padded along axis 1 (the sequence) to `length` with `value`."""
+def _pad_to(x: jax.Array, length: int, value, axis: int = 1) -> jax.Array:
+  """x padded along `axis` (the sequence) to `length` with `value` ("edge": its last entry)."""
   pad = [(0, 0)] * x.ndim
-  pad[1] = (0, length - x.shape[1])
+  pad[axis] = (0, length - x.shape[axis])
+  if value == "edge":
+    return jnp.pad(x, pad, mode="edge")
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _key_block_range(i, block_q, block_kv, num_kv_blocks, window):
-  """[lo, hi) of the key blocks query block i needs: none after its last query (causal) and, with a window, none
-  wholly more than `window` tokens before its first query (masked because only the own document is visible
-  and positions advance with the index there)."""
-  hi = jnp.minimum(num_kv_blocks, (i * block_q + block_q - 1) // block_kv + 1)
-  lo = jnp.maximum(0, (i * block_q - window + 1) // block_kv)
-  return jnp.where(window > 0, lo, 0), hi
-
-
-def _query_block_range(j, block_q, block_kv, num_q_blocks, window):
-  """[lo, hi) of the query blocks that need key block j (the transpose of `_key_block_range`)."""
-  lo = (j * block_kv) // block_q
-  hi = jnp.minimum(num_q_blocks, (window + j * block_kv + block_kv - 2) // block_q + 1)
-  return lo, jnp.where(window > 0, hi, num_q_blocks)
-
-
 class _Blocks:
-  """Padded inputs of blockwise attention cut into blocks; scores are [batch, kv_heads, groups, bq, bk]."""
+  """Padded inputs of blockwise attention cut into blocks; scores are [batch, kv_heads, groups, bq, bk].
 
-  def __init__(self, q, k, v, segment_ids, positions, block_q, block_kv):
+  Query and key tokens (`Tokens`) may be different runs of one sequence (context parallelism); their indices
+  ascend, so the key blocks a query block needs form one range, found from the blocks' first and last indices.
+  """
+
+  def __init__(self, q, k, v, queries: Tokens, keys: Tokens, block_q, block_kv):
     b, t, h, d = q.shape
+    s = k.shape[1]
     self.kv_heads = k.shape[2]
     self.groups = h // self.kv_heads
-    self.bq, self.bk = min(block_q, t), min(block_kv, t)
-    self.nq, self.nk = -(-t // self.bq), -(-t // self.bk)
+    self.bq, self.bk = min(block_q, t), min(block_kv, s)
+    self.nq, self.nk = -(-t // self.bq), -(-s // self.bk)
     tq, tk = self.nq * self.bq, self.nk * self.bk
-    # Padded tokens get segment -1 (no real token's): padded keys lie after every real query, so causality
-    # hides them; padded queries are cut off at the end.
+    # Padded tokens get segment -1 (no real token's), so no real query sees a padded key; padded queries are cut
+    # off at the end. Their indices repeat the last one, keeping the indices ascending.
     self.q = _pad_to(q, tq, 0).reshape(b, tq, self.kv_heads, self.groups, d)
     self.k, self.v = _pad_to(k, tk, 0), _pad_to(v, tk, 0)
-    self.seg_q, self.pos_q = _pad_to(segment_ids, tq, -1), _pad_to(positions, tq, 0)
-    self.seg_k, self.pos_k = _pad_to(segment_ids, tk, -1), _pad_to(positions, tk, 0)
+    self.seg_q, self.pos_q = _pad_to(queries.segment_ids, tq, -1), _pad_to(queries.positions, tq, 0)
+    self.seg_k, self.pos_k = _pad_to(keys.segment_ids, tk, -1), _pad_to(keys.positions, tk, 0)
+    self.idx_q, self.idx_k = _pad_to(queries.index, tq, "edge", 0), _pad_to(keys.index, tk, "edge", 0)
+    self.q_first, self.q_last = self.idx_q[:: self.bq], self.idx_q[self.bq - 1 :: self.bq]
+    self.k_first, self.k_last = self.idx_k[:: self.bk], self.idx_k[self.bk - 1 :: self.bk]
 
   def q_rows(self, x, i):
     return jax.lax.dynamic_slice_in_dim(x, i * self.bq, self.bq, axis=1)
@@ -142,15 +158,25 @@ class _Blocks:
   def k_rows(self, x, j):
     return jax.lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=1)
 
+  def key_range(self, i, window):
+    """[lo, hi) of the key blocks query block i needs: none wholly after its last query (causal) and, with a
+    window, none wholly more than `window` tokens before its first query (masked because only the own document is
+    visible and positions advance with the index there)."""
+    hi = jnp.sum(self.k_first <= self.q_last[i])
+    lo = jnp.sum(self.k_last <= self.q_first[i] - window)
+    return jnp.where(window > 0, lo, 0), hi
+
+  def query_range(self, j, window):
+    """[lo, hi) of the query blocks that need key block j (the transpose of `key_range`)."""
+    lo = jnp.sum(self.q_last < self.k_first[j])
+    hi = jnp.sum(self.q_first < self.k_last[j] + window)
+    return lo, jnp.where(window > 0, hi, self.nq)
+
   def mask(self, i, j, window, has_window):
     """[batch, 1, 1, bq, bk] bool: the reference's mask for query block i and key block j."""
-    q_idx = i * self.bq + jnp.arange(self.bq)
-    k_idx = j * self.bk + jnp.arange(self.bk)
-    mask = (q_idx[:, None] >= k_idx[None, :])[None]
-    mask &= self.q_rows(self.seg_q, i)[:, :, None] == self.k_rows(self.seg_k, j)[:, None, :]
-    if has_window:
-      mask &= within_window(self.q_rows(self.pos_q, i)[:, :, None], self.k_rows(self.pos_k, j)[:, None, :], window)
-    return mask[:, None, None]
+    queries = Tokens(self.q_rows(self.seg_q, i), self.q_rows(self.pos_q, i), self.q_rows(self.idx_q[None], i)[0])
+    keys = Tokens(self.k_rows(self.seg_k, j), self.k_rows(self.pos_k, j), self.k_rows(self.idx_k[None], j)[0])
+    return queries.mask(keys, window if has_window else 0)[:, None, None]
 
   def logits(self, i, j, window, has_window, cap, precision):
     """(masked logits, soft-capped logits before masking, mask) of a block pair, float32."""
@@ -166,10 +192,11 @@ class _Blocks:
     return jnp.where(mask, capped, MASK_VALUE), capped, mask
 
 
-def _blockwise_forward(q, k, v, segment_ids, positions, window, block_q, block_kv, cap, precision, has_window):
-  """(out [batch, length, heads, head_dim] in v.dtype, logsumexp [batch, kv_heads, groups, padded length] f32)."""
+def blockwise_forward(q, k, v, queries, keys, window, block_q, block_kv, cap, precision, has_window):
+  """(out [batch, q_len, heads, head_dim] float32, logsumexp [batch, kv_heads, groups, padded q_len] float32) of
+  queries against keys: FlashAttention-2's forward. A query that sees no key gets out 0 and logsumexp MASK_VALUE."""
   b, t, h, d = q.shape
-  blk = _Blocks(q, k, v, segment_ids, positions, block_q, block_kv)
+  blk = _Blocks(q, k, v, queries, keys, block_q, block_kv)
   stats = (b, blk.kv_heads, blk.groups, blk.bq)
 
   def query_block(i):
@@ -190,10 +217,10 @@ def _blockwise_forward(q, k, v, segment_ids, positions, window, block_q, block_k
       return m_new, alpha * denom + p.sum(axis=-1), alpha[..., None] * acc + pv
 
     init = (jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros((*stats, d), jnp.float32))
-    lo, hi = _key_block_range(i, blk.bq, blk.bk, blk.nk, window)
+    lo, hi = blk.key_range(i, window)
     m, denom, acc = jax.lax.fori_loop(lo, hi, key_block, init)
-    denom = jnp.where(denom > 0, denom, 1.0)  # padded query rows may see no key at all
-    return (acc / denom[..., None]).astype(v.dtype), m + jnp.log(denom)
+    denom = jnp.where(denom > 0, denom, 1.0)  # a query may see no key at all (padding; a chunk of the future)
+    return acc / denom[..., None], m + jnp.log(denom)
 
   out, lse = jax.lax.map(query_block, jnp.arange(blk.nq))  # [nq, b, kv, g, bq, d], [nq, b, kv, g, bq]
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, blk.nq * blk.bq, h, d)[:, :t]
@@ -201,13 +228,13 @@ def _blockwise_forward(q, k, v, segment_ids, positions, window, block_q, block_k
   return out, lse
 
 
-def _blockwise_backward(
-  q, k, v, segment_ids, positions, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window
-):
-  """(dq, dk, dv) by FlashAttention-2's backward: each block pair's probabilities are recomputed from the saved
-  logsumexp; a loop over key blocks accumulates dk, dv of its block and adds into a float32 dq."""
+def blockwise_backward(q, k, v, queries, keys, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window):
+  """float32 (dq, dk, dv) by FlashAttention-2's backward, given the forward's `out` and `lse` (of these queries
+  against all the keys they attend to, which may be more than `k`: a ring step's share is then the gradient
+  through these keys). Each block pair's probabilities are recomputed from the logsumexp; a loop over key blocks
+  accumulates dk, dv of its block and adds into dq."""
   b, t, h, d = q.shape
-  blk = _Blocks(q, k, v, segment_ids, positions, block_q, block_kv)
+  blk = _Blocks(q, k, v, queries, keys, block_q, block_kv)
   tq = blk.nq * blk.bq
   d_out = _pad_to(d_out, tq, 0).reshape(blk.q.shape)
   # delta = rowsum(dO * O) = sum_s p_s dp_s, the softmax backward's subtracted term.
@@ -239,33 +266,37 @@ def _blockwise_backward(
       return dq, dk_j, dv_j
 
     zeros = jnp.zeros((b, blk.bk, blk.kv_heads, d), jnp.float32)
-    lo, hi = _query_block_range(j, blk.bq, blk.bk, blk.nq, window)
+    lo, hi = blk.query_range(j, window)
     dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, (dq, zeros, zeros))
     return dq, (dk_j, dv_j)
 
   dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(blk.q.shape, jnp.float32), jnp.arange(blk.nk))
+  s = k.shape[1]
   dq = dq.reshape(b, tq, h, d)[:, :t]
-  dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, blk.nk * blk.bk, blk.kv_heads, d)[:, :t]
-  dv = dv.transpose(1, 0, 2, 3, 4).reshape(b, blk.nk * blk.bk, blk.kv_heads, d)[:, :t]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, blk.nk * blk.bk, blk.kv_heads, d)[:, :s]
+  dv = dv.transpose(1, 0, 2, 3, 4).reshape(b, blk.nk * blk.bk, blk.kv_heads, d)[:, :s]
+  return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _blockwise(q, k, v, segment_ids, positions, window, block_q, block_kv, cap, precision, has_window):
-  return _blockwise_forward(q, k, v, segment_ids, positions, window, block_q, block_kv, cap, precision, has_window)[0]
+def _blockwise(q, k, v, queries, keys, window, block_q, block_kv, cap, precision, has_window):
+  out, _ = blockwise_forward(q, k, v, queries, keys, window, block_q, block_kv, cap, precision, has_window)
+  return out.astype(v.dtype)
 
 
-def _blockwise_fwd(q, k, v, segment_ids, positions, window, block_q, block_kv, cap, precision, has_window):
-  out, lse = _blockwise_forward(q, k, v, segment_ids, positions, window, block_q, block_kv, cap, precision, has_window)
-  return out, (q, k, v, segment_ids, positions, window, out, lse)
+def _blockwise_fwd(q, k, v, queries, keys, window, block_q, block_kv, cap, precision, has_window):
+  out, lse = blockwise_forward(q, k, v, queries, keys, window, block_q, block_kv, cap, precision, has_window)
+  out = out.astype(v.dtype)
+  return out, (q, k, v, queries, keys, window, out, lse)
 
 
 def _blockwise_bwd(block_q, block_kv, cap, precision, has_window, residuals, d_out):
-  q, k, v, segment_ids, positions, window, out, lse = residuals
-  grads = _blockwise_backward(
-    q, k, v, segment_ids, positions, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window
+  q, k, v, queries, keys, window, out, lse = residuals
+  dq, dk, dv = blockwise_backward(
+    q, k, v, queries, keys, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window
   )
-  return (*grads, None, None, None)  # segment ids, positions and window are integers: no cotangent
+  no_grad = jax.tree_util.tree_map(lambda _: None, (queries, keys))  # integers: no cotangent
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -282,9 +313,18 @@ def blockwise_attention(q, k, v, segment_ids, positions, *, block_q=512, block_k
   multiple internally), keeping float32 statistics, so memory is O(length * block), never [length, length].
   Key blocks wholly in a query block's future, or wholly before its window, are skipped.
   """
-  has_window = not (_is_static(window) and window <= 0)
+  tokens = Tokens(segment_ids, positions, jnp.arange(q.shape[1], dtype=jnp.int32))
+  return blockwise_tokens(
+    q, k, v, tokens, tokens, block_q=block_q, block_kv=block_kv, window=window, cap=cap, precision=precision
+  )
+
+
+def blockwise_tokens(q, k, v, queries: Tokens, keys: Tokens, *, block_q, block_kv, window=0, cap=0.0, precision=None):
+  """blockwise_attention of queries against keys of their own `Tokens` (context parallelism: a device's queries
+  against gathered keys)."""
+  has_window = not (is_static(window) and window <= 0)
   window = jnp.asarray(window if has_window else 0, jnp.int32)
-  return _blockwise(q, k, v, segment_ids, positions, window, int(block_q), int(block_kv), float(cap), precision, has_window)
+  return _blockwise(q, k, v, queries, keys, window, int(block_q), int(block_kv), float(cap), precision, has_window)
 
 
 # ------------------------------------------------------------------------------------------------ splash (TPU)
@@ -357,7 +397,7 @@ def splash_attention(
   """
   b, t, h, d = q.shape
   block_sizes = splash_block_sizes(config, t)
-  static = _is_static(window)
+  static = is_static(window)
   local_window = int(window) if static else config.sliding_window_size
 
   def per_device(q, k, v, segment_ids, positions, window):
@@ -381,12 +421,12 @@ def splash_attention(
   head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
   kv_axes = sharding.logical_to_mesh_spec((ct.ACT_KV_HEADS,), config)[0]
   for name, count, axes in (("batch", b, batch_axes), ("heads", h, head_axes)):
-    if count % _mesh_size(mesh, axes):
+    if count % mesh_size(mesh, axes):
       raise ConfigError(
-        f"attention=flash (splash): {name}={count} does not divide into the {_mesh_size(mesh, axes)} shards of mesh "
+        f"attention=flash (splash): {name}={count} does not divide into the {mesh_size(mesh, axes)} shards of mesh "
         f"axes {axes}; change the parallelism or use attention=dot_product"
       )
-  head_shards = _mesh_size(mesh, head_axes)
+  head_shards = mesh_size(mesh, head_axes)
   if head_shards > 1 and (kv_axes != head_axes or k.shape[2] % head_shards):
     # Each device's query heads must find their kv heads locally: repeat kv heads to one per query head.
     k, v = (jnp.repeat(x, h // k.shape[2], axis=2) for x in (k, v))
@@ -402,7 +442,7 @@ def splash_attention(
   return sharded(q, k, v, segment_ids, positions, window)
 
 
-def _mesh_size(mesh, axes) -> int:
+def mesh_size(mesh, axes) -> int:
   if axes is None:
     return 1
   axes = (axes,) if isinstance(axes, str) else axes
@@ -422,7 +462,7 @@ def cudnn_unsupported_reason(config: Config, q_shape, dtype, window, cap) -> str
   length, head_dim = q_shape[1], q_shape[3]
   if cap > 0:
     return f"cuDNN fused attention has no logit soft cap (attn_logits_soft_cap={cap}, Gemma 2)"
-  if not _is_static(window):
+  if not is_static(window):
     return "cuDNN fused attention takes a fixed sliding window, not one chosen per layer at run time (Gemma 2)"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"cuDNN fused attention needs bfloat16 or float16 inputs, not {jnp.dtype(dtype).name} (set dtype=bfloat16)"
@@ -469,7 +509,7 @@ def cudnn_attention(q, k, v, segment_ids, *, window=0, implementation="cudnn") -
 # ------------------------------------------------------------------------------------------ choice and dispatch
 
 
-def _platform(mesh) -> str:
+def platform_of(mesh) -> str:
   """The platform the attention runs on: the mesh's devices (e.g. TPU devices of a topology compiled on a CPU
   host), else JAX's default backend."""
   if mesh is not None:
@@ -556,7 +596,7 @@ def attend(q, k, v, segment_ids, positions, *, config: Config, mesh=None, window
   window: sliding window (keys with q_pos - k_pos >= window are masked; <= 0: none), python int or traced int32;
   cap: logit soft cap (0: none). Returns [batch, length, heads, head_dim] in v.dtype.
   """
-  platform = _platform(mesh)
+  platform = platform_of(mesh)
   name = _resolve(
     kernel or config.attention,
     q.shape[1],

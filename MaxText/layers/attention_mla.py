@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
-from MaxText.layers import attention_kernels
+from MaxText.layers import context_parallel
 from MaxText.layers.attention_kernels import MASK_VALUE
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale, yarn_mscale
 from MaxText.layers.linears import PRECISIONS, DenseGeneral
@@ -125,7 +125,8 @@ class MLA(nn.Module):
       width = max(qk_dim, v_dim)
       q_all = jnp.concatenate([q_nope, q_pe], axis=-1)
       q_all, k, v = _pad_last(q_all, width), _pad_last(k, width), _pad_last(v, width)
-      out = attention_kernels.attend(q_all, k, v, segment_ids, positions, config=cfg, mesh=self.mesh)[..., :v_dim]
+      attend = context_parallel.attend
+      out = attend(q_all, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, model_mode=self.model_mode)[..., :v_dim]
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")
     out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, name="out")(out)

@@ -8,7 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
-from MaxText.layers import attention_kernels
+from MaxText.layers import context_parallel
 from MaxText.layers.attention_kernels import MASK_VALUE, soft_cap, within_window
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale
 from MaxText.layers.linears import PRECISIONS, DenseGeneral, fused_projection
@@ -105,7 +105,9 @@ class Attention(nn.Module):
       cache_k, cache_v = (sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
       out = cached_attention(q, k, v, cache_k, cache_v, cache_mask, precision, window, cap, positions, cache_positions)
     else:
-      out = attention_kernels.attend(q, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, window=window, cap=cap)
+      out = context_parallel.attend(
+        q, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, window=window, cap=cap, model_mode=self.model_mode
+      )
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")  # What remat_policy=minimal_flash saves.
     out = DenseGeneral(

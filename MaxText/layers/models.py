@@ -7,6 +7,7 @@ from flax import linen as nn
 from MaxText import common_types as ct
 from MaxText import families, sharding
 from MaxText.common_types import Config
+from MaxText.layers import context_parallel
 from MaxText.layers.attention_kernels import soft_cap
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
@@ -109,6 +110,13 @@ class Transformer(nn.Module):
   ):
     cfg, mode = self.config, self.model_mode
     family = families.get(cfg.decoder_block).layer
+    # Context parallelism with load balancing: the layers see the tokens in load-balanced order (attention's work
+    # even across devices); the activations return to the natural order before the output head.
+    balanced = context_parallel.reorders(cfg, self.mesh, mode)
+    if balanced:
+      tokens, segment_ids, positions = (self._reorder(a, (ct.BATCH, ct.LENGTH)) for a in (tokens, segment_ids, positions))
+      if input_embeddings is not None:
+        input_embeddings = self._reorder(input_embeddings, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED))
     embed = Embed(cfg, name="token_embedder")
     x = embed(tokens) if input_embeddings is None else input_embeddings
     if family.scale_embeddings:
@@ -148,12 +156,18 @@ class Transformer(nn.Module):
           kvs.append(None if layer_kv is None else jax.tree_util.tree_map(lambda a: a[None], layer_kv))
     kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *kvs)
 
+    if balanced:
+      x = self._reorder(x, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), inverse=True)
     x = family.norm(cfg, "decoder_norm")(x)
     if return_hidden:
       return x
     logits = output_logits(cfg, embed, x)
     logits = sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
     return logits if mode == ct.MODEL_MODE_TRAIN else (logits, kv)
+
+  def _reorder(self, x, logical_axes, inverse=False):
+    x = sharding.constrain(x, logical_axes, self.mesh, self.config)
+    return context_parallel.reorder(x, logical_axes, self.config, self.mesh, inverse)
 
 
 def init_inputs(batch: int, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:

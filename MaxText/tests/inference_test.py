@@ -289,3 +289,18 @@ def test_a_prompts_file_that_is_not_utf8_is_one_line(trained, capsys, tmp_path):
   prompts.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
   code, _, err = _run(decode.main, (*args, "run_name=run", f"decode_prompts_file={prompts}"), capsys)
   assert code == 2 and "is not UTF-8 text (byte 3)" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_context_parallel_decode_equals_single_device():
+  """Sequences split over context=4 x tensor=2 (prefill attends across the pieces): same logits and tokens."""
+  one = config(*DECODE, "per_device_batch_size=8")
+  eight = config(
+    *DECODE,
+    "per_device_batch_size=1",
+    "ici_fsdp_parallelism=1",
+    "ici_context_parallelism=4",
+    "ici_tensor_parallelism=2",
+    num_devices=8,
+  )
+  _, params = _params(one)
+  assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))

@@ -57,7 +57,7 @@ def test_global_parameter_scale(scale, expected):
 def test_derived_mesh_and_batch():
   cfg = config("ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2", "per_device_batch_size=1", num_devices=8)
   axes = dict(zip(cfg.mesh_axes, cfg.mesh_shape, strict=True))
-  assert axes == {"data": 1, "stage": 1, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
+  assert axes == {"data": 1, "stage": 1, "fsdp": 4, "sequence": 1, "context": 1, "tensor": 2, "expert": 1}
   assert cfg.micro_batch_size == 8 and cfg.global_batch_size == 8
   cfg = config("gradient_accumulation_steps=4", "per_device_batch_size=0.5", "ici_tensor_parallelism=2", num_devices=8)
   assert cfg.micro_batch_size == 4 and cfg.global_batch_size == 16

@@ -13,7 +13,8 @@ from MaxText import common_types, sharding
 from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, config
 
-FSDP = ("fsdp", "sequence", "expert")  # base.yml's mesh axes for a weight's `embed` dimension
+FSDP = ("fsdp", "sequence", "context", "expert")  # base.yml's mesh axes for a weight's `embed` dimension
+LENGTH = ("sequence", "context")  # and for an activation's length
 BATCH = ("data", "fsdp", "expert")  # and for an activation's batch dimension
 
 
@@ -85,7 +86,7 @@ def test_logical_to_mesh_spec_of_base_rules():
   cases = {
     (common_types.LAYERS, common_types.EMBED, common_types.MLP): P("stage", FSDP, "tensor"),
     (common_types.VOCAB, common_types.EMBED): P("tensor", FSDP),
-    (common_types.BATCH, common_types.LENGTH): P(BATCH, "sequence"),
+    (common_types.BATCH, common_types.LENGTH): P(BATCH, LENGTH),
     # embed's mesh axes share fsdp and expert with the batch rule, which comes first: embed stays whole.
     (common_types.BATCH, common_types.EMBED): P(BATCH, None),
     # heads and mlp both want tensor; mlp's rule comes first in base.yml.
@@ -122,7 +123,7 @@ def test_batch_sharding_splits_rows_and_length(mesh_and_config):
   """[batch, length] inputs: rows over data x fsdp x expert (2 here), length over sequence (2), tensor replicated."""
   mesh, cfg = mesh_and_config
   batch = sharding.batch_sharding(mesh, cfg)
-  assert batch == NamedSharding(mesh, P(BATCH, "sequence"))
+  assert batch == NamedSharding(mesh, P(BATCH, LENGTH))
   assert batch.shard_shape((8, 64)) == (4, 32)
 
 

@@ -1,0 +1,281 @@
+"""Context parallelism: attention over sequences split along their length across devices.
+
+The mesh axes of `activation_length` in logical_axis_rules (base.yml: `sequence` and `context`) split every
+activation along the sequence. Everything but attention is per token; attention runs here, under shard_map, each
+device holding one piece of the queries, keys and values:
+
+- `context_parallel_strategy=all_gather`: the keys and values are gathered from every device (backward: reduce-
+  scattered), then the device's queries attend to all of them with the config's kernel (dot_product, or blockwise
+  for flash).
+- `ring`: keys and values travel round the ring of devices, one piece per step, and the device's queries attend to
+  each piece with the blockwise kernel, the partial results merged by their log-sum-exp (Liu et al. 2023, Ring
+  Attention, arXiv:2310.01889). The next piece's transfer is issued before the step's compute, so the two overlap.
+  Memory holds two pieces of keys and values, never the whole sequence. The backward sends the keys and values
+  round again, their gradients travelling with them, and each step is FlashAttention-2's backward on that piece.
+
+Causality is by each token's index in the whole sequence (`attention_kernels.Tokens`), so a device's piece need
+not be contiguous. With `context_parallel_load_balance` (training) the sequence is cut into 2n chunks and device r
+holds chunks r and 2n-1-r: under a causal mask every device then has the same work, where a contiguous split gives
+the last device n times the first one's. The Transformer reorders its inputs into that order on entry and its
+activations back before the output head (`reorder`), so logits, losses and everything outside it see the sequence
+in its natural order. Packed documents (segment ids) and sliding windows are exact: masks use the tokens' own
+segments, positions and indices.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from MaxText import common_types as ct
+from MaxText import sharding
+from MaxText.common_types import Config, ConfigError
+from MaxText.layers import attention_kernels as ak
+from MaxText.layers.linears import PRECISIONS
+
+STRATEGIES = ("all_gather", "ring")
+
+
+def length_axes(config: Config, mesh: Mesh | None = None) -> tuple[str, ...]:
+  """The mesh axes of size > 1 that split sequences (those of activation_length)."""
+  spec = sharding.logical_to_mesh_spec((ct.LENGTH,), config)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  sizes = dict(mesh.shape) if mesh is not None else dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
+  return tuple(a for a in axes if sizes[a] > 1)
+
+
+def degree(config: Config, mesh: Mesh | None = None) -> int:
+  """How many pieces each sequence is split into."""
+  sizes = dict(mesh.shape) if mesh is not None else dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
+  return math.prod(sizes[a] for a in length_axes(config, mesh))
+
+
+def reorders(config: Config, mesh: Mesh | None, model_mode: str) -> bool:
+  """Whether the Transformer runs with its tokens in load-balanced order (training under context parallelism with
+  context_parallel_load_balance); prefill keeps the natural order, as its keys and values fill a cache."""
+  return (
+    mesh is not None
+    and model_mode == ct.MODEL_MODE_TRAIN
+    and config.context_parallel_load_balance
+    and degree(config, mesh) > 1
+  )
+
+
+def piece_index(n: int, rank, piece: int, balanced: bool) -> jax.Array:
+  """[piece] int32: the indices in the whole sequence of the tokens device `rank` (may be traced) of n holds."""
+  if not balanced:
+    return rank * piece + jnp.arange(piece, dtype=jnp.int32)
+  half = piece // 2
+  chunk = jnp.arange(half, dtype=jnp.int32)
+  return jnp.concatenate([rank * half + chunk, (2 * n - 1 - rank) * half + chunk])
+
+
+def load_balanced_order(length: int, n: int) -> np.ndarray:
+  """[length]: the index in the natural sequence of each place of the load-balanced one (device r's piece holds
+  chunks r and 2n-1-r of 2n)."""
+  half = length // (2 * n)
+  chunks = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+  return np.concatenate([c * half + np.arange(half) for c in chunks])
+
+
+def _moves(n: int, inverse: bool) -> dict[tuple[int, int], list[tuple[int, int]]]:
+  """The load-balancing permutation as collective permutes of half-pieces: {(source half, destination half):
+  [(source device, destination device)]}. Chunk c of 2n lies on device c // 2, half c % 2, in the natural order,
+  and on device c (first half) or 2n-1-c (second half) in the balanced one."""
+  moves = {}
+  for c in range(2 * n):
+    natural = (c // 2, c % 2)
+    balanced = (c, 0) if c < n else (2 * n - 1 - c, 1)
+    (src, src_half), (dst, dst_half) = (balanced, natural) if inverse else (natural, balanced)
+    moves.setdefault((src_half, dst_half), []).append((src, dst))
+  return moves
+
+
+def reorder(x: jax.Array, logical_axes, config: Config, mesh: Mesh, inverse: bool = False) -> jax.Array:
+  """x [batch, length, ...] (sharded by `logical_axes`, the length by the context-parallel axes) in load-balanced
+  order (`load_balanced_order`), or with `inverse` back in the natural order. Each device sends its two half-pieces
+  to where they belong with collective permutes: no device ever holds more than its own piece."""
+  axes, n = length_axes(config, mesh), degree(config, mesh)
+  if x.shape[1] % (2 * n):
+    raise ConfigError(
+      f"context_parallel_load_balance: a length of {x.shape[1]} does not split into 2 x {n} chunks; make "
+      f"max_target_length a multiple of {2 * n} or set context_parallel_load_balance=false"
+    )
+  spec = sharding.logical_to_mesh_spec(logical_axes, config)
+  moves = _moves(n, inverse)
+
+  def per_device(x):
+    halves = jnp.split(x, 2, axis=1)
+    out = [jnp.zeros_like(halves[0]), jnp.zeros_like(halves[1])]
+    for (src_half, dst_half), pairs in moves.items():
+      out[dst_half] = out[dst_half] + jax.lax.ppermute(halves[src_half], axes, pairs)
+    return jnp.concatenate(out, axis=1)
+
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(x)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def attend(q, k, v, segment_ids, positions, *, config: Config, mesh=None, window=0, cap=0.0, model_mode=ct.MODEL_MODE_TRAIN):
+  """Causal self-attention as `attention_kernels.attend` (same shapes and result), split over the context-parallel
+  axes when the sequence is (degree > 1), else that function itself. A prefill whose prompt bucket does not split
+  into the pieces runs unsplit (training lengths are checked by pyconfig)."""
+  n = 1 if mesh is None else degree(config, mesh)
+  if n == 1 or (model_mode != ct.MODEL_MODE_TRAIN and q.shape[1] % n):
+    return ak.attend(q, k, v, segment_ids, positions, config=config, mesh=mesh, window=window, cap=cap)
+  kernel = ak.select(config, q.shape[1], ak.platform_of(mesh), q_shape=q.shape, dtype=q.dtype, window=window, cap=cap)
+  if kernel.startswith("cudnn"):
+    raise ConfigError(
+      f"attention={config.attention} (cuDNN) does not run under context parallelism; use attention=flash "
+      "or dot_product, or set ici_context_parallelism and ici_sequence_parallelism to 1"
+    )
+  if config.context_parallel_strategy not in STRATEGIES:
+    raise ConfigError(f"context_parallel_strategy={config.context_parallel_strategy} is not one of {', '.join(STRATEGIES)}")
+  balanced = reorders(config, mesh, model_mode)
+  axes = length_axes(config, mesh)
+  b, t, h, _ = q.shape
+  batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
+  head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
+  kv_axes = sharding.logical_to_mesh_spec((ct.ACT_KV_HEADS,), config)[0]
+  if t % (2 * n if balanced else n):
+    raise ConfigError(
+      f"context parallelism over {n} devices: a length of {t} does not split into {2 * n if balanced else n} "
+      "chunks; change max_target_length"
+    )
+  head_shards = ak.mesh_size(mesh, head_axes)
+  if head_shards > 1 and (kv_axes != head_axes or k.shape[2] % head_shards):
+    # Each device's query heads must find their kv heads locally: repeat kv heads to one per query head.
+    k, v = (jnp.repeat(x, h // k.shape[2], axis=2) for x in (k, v))
+  qkv_spec = PartitionSpec(batch_axes, axes, head_axes, None)
+  ids_spec = PartitionSpec(batch_axes, axes)
+  static = {
+    "axes": axes,
+    "n": n,
+    "balanced": balanced,
+    "block_q": config.sa_block_q,
+    "block_kv": config.sa_block_kv,
+    "cap": float(cap),
+    "precision": PRECISIONS[config.matmul_precision],
+    "has_window": not (ak.is_static(window) and window <= 0),
+  }
+  if config.context_parallel_strategy == "ring":
+    run = functools.partial(_ring_attention, **static)
+  else:
+    run = functools.partial(_all_gather_attention, dense=kernel == "dot_product", **static)
+  sharded = jax.shard_map(
+    run,
+    mesh=mesh,
+    in_specs=(qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec, PartitionSpec()),
+    out_specs=qkv_spec,
+    check_vma=False,
+  )
+  window = jnp.asarray(window if static["has_window"] else 0, jnp.int32)
+  return sharded(q, k, v, segment_ids, positions, window)
+
+
+def _all_gather_attention(q, k, v, segment_ids, positions, window, *, axes, n, balanced, dense, **kernel):
+  """One device's queries against the keys and values gathered from all devices, put back in index order."""
+  piece = q.shape[1]
+  queries = ak.Tokens(segment_ids, positions, piece_index(n, jax.lax.axis_index(axes), piece, balanced))
+
+  def gather(x):
+    x = jax.lax.all_gather(x, axes, axis=1, tiled=True)
+    return x[:, np.argsort(load_balanced_order(n * piece, n))] if balanced else x
+
+  k, v, segment_ids, positions = (gather(x) for x in (k, v, segment_ids, positions))
+  keys = ak.Tokens(segment_ids, positions, jnp.arange(n * piece, dtype=jnp.int32))
+  if dense:
+    return ak.dense_attention(q, k, v, queries, keys, kernel["precision"], window, kernel["cap"])
+  return ak.blockwise_tokens(
+    q,
+    k,
+    v,
+    queries,
+    keys,
+    block_q=kernel["block_q"],
+    block_kv=kernel["block_kv"],
+    window=window if kernel["has_window"] else 0,
+    cap=kernel["cap"],
+    precision=kernel["precision"],
+  )
+
+
+def _ring_attention(q, k, v, segment_ids, positions, window, *, axes, n, balanced, **kernel):
+  statics = (axes, n, balanced, kernel["block_q"], kernel["block_kv"], kernel["cap"], kernel["precision"])
+  return _ring(q, k, v, segment_ids, positions, window, *statics, kernel["has_window"])
+
+
+def _ring_forward(q, k, v, segment_ids, positions, window, axes, n, balanced, block_q, block_kv, cap, precision, has_window):
+  """(out [batch, piece, heads, head_dim] float32, logsumexp) of this device's queries against every piece."""
+  rank, piece = jax.lax.axis_index(axes), q.shape[1]
+  queries = ak.Tokens(segment_ids, positions, piece_index(n, rank, piece, balanced))
+  ring = [(i, (i + 1) % n) for i in range(n)]
+  b, _, h, d = q.shape
+  kv_heads = k.shape[2]
+
+  def step(carry, s):
+    out, lse, kv = carry
+    following = jax.lax.ppermute(kv, axes, ring)  # issued first: the transfer overlaps this step's compute
+    k_s, v_s, seg_s, pos_s = kv
+    keys = ak.Tokens(seg_s, pos_s, piece_index(n, (rank - s) % n, piece, balanced))
+    out_s, lse_s = ak.blockwise_forward(q, k_s, v_s, queries, keys, window, block_q, block_kv, cap, precision, has_window)
+    merged = jnp.logaddexp(lse, lse_s)
+    out = out * _by_row(jnp.exp(lse - merged), piece, h) + out_s * _by_row(jnp.exp(lse_s - merged), piece, h)
+    return (out, merged, following), None
+
+  padded = -(-piece // min(block_q, piece)) * min(block_q, piece)
+  lse = jnp.full((b, kv_heads, h // kv_heads, padded), ak.MASK_VALUE, jnp.float32)
+  init = (jnp.zeros((b, piece, h, d), jnp.float32), lse, (k, v, segment_ids, positions))
+  (out, lse, _), _ = jax.lax.scan(step, init, jnp.arange(n))
+  return out, lse
+
+
+def _by_row(lse: jax.Array, piece: int, heads: int) -> jax.Array:
+  """[batch, kv_heads, groups, padded] -> [batch, piece, heads, 1], to scale outputs row by row."""
+  b = lse.shape[0]
+  return lse[..., :piece].transpose(0, 3, 1, 2).reshape(b, piece, heads, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
+def _ring(q, k, v, segment_ids, positions, window, *statics):
+  out, _ = _ring_forward(q, k, v, segment_ids, positions, window, *statics)
+  return out.astype(v.dtype)
+
+
+def _ring_fwd(q, k, v, segment_ids, positions, window, *statics):
+  out, lse = _ring_forward(q, k, v, segment_ids, positions, window, *statics)
+  out = out.astype(v.dtype)
+  return out, (q, k, v, segment_ids, positions, window, out, lse)
+
+
+def _ring_bwd(axes, n, balanced, block_q, block_kv, cap, precision, has_window, residuals, d_out):
+  """The keys and values go round the ring again, with float32 accumulators of their gradients; each step adds
+  FlashAttention-2's backward of this device's queries against the piece it holds (the global logsumexp makes
+  each share exact). After n steps every piece, and its gradient, is back home."""
+  q, k, v, segment_ids, positions, window, out, lse = residuals
+  rank, piece = jax.lax.axis_index(axes), q.shape[1]
+  queries = ak.Tokens(segment_ids, positions, piece_index(n, rank, piece, balanced))
+  ring = [(i, (i + 1) % n) for i in range(n)]
+
+  def step(carry, s):
+    dq, kv, dk, dv = carry
+    following = jax.lax.ppermute(kv, axes, ring)
+    k_s, v_s, seg_s, pos_s = kv
+    keys = ak.Tokens(seg_s, pos_s, piece_index(n, (rank - s) % n, piece, balanced))
+    dq_s, dk_s, dv_s = ak.blockwise_backward(
+      q, k_s, v_s, queries, keys, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window
+    )
+    dk, dv = jax.lax.ppermute((dk + dk_s, dv + dv_s), axes, ring)
+    return (dq + dq_s, following, dk, dv), None
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  init = (jnp.zeros(q.shape, jnp.float32), (k, v, segment_ids, positions), zeros, zeros)
+  (dq, _, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(n))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,170 @@
+"""Context parallelism: sequences split over 2, 4 and 8 devices give the attention, losses and gradients of one.
+
+Kernels are compared with the reference `dot_product_attention` on the same float32 inputs at HIGHEST precision,
+as in attention_kernels_test (packed documents with padding, sliding windows, soft caps, GQA); the model with the
+same loss on one device without a mesh.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import sharding, train
+from MaxText.common_types import ConfigError
+from MaxText.layers import context_parallel as cp
+from MaxText.layers import models
+from MaxText.tests.attention_kernels_test import _assert_close, _inputs, _out_and_grads, _reference
+from MaxText.tests.helpers import config, train_batch
+
+LENGTH = 64
+
+
+def _mesh_config(degree, *args):
+  cfg = config(
+    f"ici_context_parallelism={degree}",
+    "ici_fsdp_parallelism=-1",
+    "per_device_batch_size=1",
+    f"max_target_length={LENGTH}",
+    "sa_block_q=8",
+    "sa_block_kv=4",
+    *args,
+    num_devices=8,
+  )
+  return cfg, sharding.create_mesh(cfg, jax.devices())
+
+
+# (degree, strategy, kernel, load balance, window, cap): every degree with each strategy, balanced and not, with
+# and without windows and caps.
+CASES = [
+  (2, "all_gather", "dot_product", True, 0, 0.0),
+  (4, "all_gather", "flash", False, 9, 0.0),
+  (8, "all_gather", "flash", True, 9, 5.0),
+  (8, "all_gather", "dot_product", False, 9, 5.0),
+  (2, "ring", "flash", False, 0, 5.0),
+  (4, "ring", "flash", True, 9, 0.0),
+  (8, "ring", "flash", True, 0, 0.0),
+  (8, "ring", "flash", False, 9, 0.0),
+]
+
+
+@pytest.mark.parametrize("degree,strategy,kernel,balanced,window,cap", CASES)
+def test_split_attention_equals_the_reference(degree, strategy, kernel, balanced, window, cap):
+  """Row 0 packs documents of 10, 15 and 20 tokens then padding; inputs in load-balanced order when balanced."""
+  cfg, mesh = _mesh_config(
+    degree,
+    f"context_parallel_strategy={strategy}",
+    f"attention={kernel}",
+    f"context_parallel_load_balance={str(balanced).lower()}",
+  )
+  q, k, v, w, seg, pos = _inputs(4, LENGTH, 4, 2, docs=(10, 15, 20))
+  order = cp.load_balanced_order(LENGTH, degree) if balanced else np.arange(LENGTH)
+
+  def split(q, k, v, seg, pos):
+    return cp.attend(q, k, v, seg, pos, config=cfg, mesh=mesh, window=window, cap=cap)
+
+  got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)))
+  want = _out_and_grads(_reference(window, cap), q, k, v, w, seg, pos)
+  _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_split_attention_with_tensor_parallel_heads_and_a_traced_window(strategy):
+  """context=4 x tensor=2 with one kv head (repeated to each device's query heads); the window is traced, as in
+  Gemma 2's scan over local and global layers."""
+  cfg, mesh = _mesh_config(4, "ici_tensor_parallelism=2", f"context_parallel_strategy={strategy}", "attention=flash")
+  q, k, v, w, seg, pos = _inputs(4, LENGTH, 4, 1, docs=(10, 15, 20))
+  order = cp.load_balanced_order(LENGTH, 4)
+
+  def split(q, k, v, seg, pos, window):
+    return cp.attend(q, k, v, seg, pos, config=cfg, mesh=mesh, window=window)
+
+  for window in (0, 9):
+    got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)), jnp.int32(window))
+    want = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
+    _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_reorder_is_the_load_balanced_order_and_its_inverse_undoes_it(degree):
+  cfg, mesh = _mesh_config(degree, "ici_tensor_parallelism=2" if degree < 8 else "ici_tensor_parallelism=1")
+  x = jnp.arange(4 * LENGTH * 6, dtype=jnp.float32).reshape(4, LENGTH, 6)
+  axes = ("activation_batch", "activation_length", "activation_embed")
+  balanced = jax.jit(lambda x: cp.reorder(x, axes, cfg, mesh))(x)
+  order = cp.load_balanced_order(LENGTH, degree)
+  np.testing.assert_array_equal(balanced, x[:, order])
+  np.testing.assert_array_equal(jax.jit(lambda x: cp.reorder(x, axes, cfg, mesh, inverse=True))(balanced), x)
+  # Under a causal mask query i attends to i + 1 keys: every device gets the same share of that work.
+  work = (order + 1).reshape(degree, -1).sum(axis=1)
+  assert len(set(work.tolist())) == 1
+  assert sorted(order.tolist()) == list(range(LENGTH))
+
+
+def _packed_batch(cfg, rows):
+  """train_batch with row 0 packing documents of 20 and 30 tokens then padding."""
+  batch = train_batch(cfg, rows=rows)
+  seg, pos = batch["inputs_segmentation"].copy(), batch["inputs_position"].copy()
+  seg[0, :20], seg[0, 20:50], seg[0, 50:] = 1, 2, 0
+  pos[0, 20:50] = np.arange(30)
+  return {**batch, "inputs_segmentation": seg, "inputs_position": pos, "targets_segmentation": seg}
+
+
+def _loss_and_grads(cfg, mesh, params, batch):
+  model = models.Transformer(cfg, mesh)
+  if mesh is not None:
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  grad = jax.value_and_grad(lambda p, b: train.loss_fn(model, p, b, jax.random.key(0), True)[0])
+  return jax.jit(grad)(params, batch)
+
+
+MODELS = {
+  "llama context=2 fsdp=4": ("ici_context_parallelism=2", "ici_fsdp_parallelism=4"),
+  "llama context=4 tensor=2 ring": (
+    "ici_context_parallelism=4",
+    "ici_tensor_parallelism=2",
+    "context_parallel_strategy=ring",
+  ),
+  "mistral window context=8 flash": (
+    "ici_context_parallelism=8",
+    "override_model_config=true",
+    "decoder_block=mistral",
+    "sliding_window_size=7",
+    "attention=flash",
+  ),
+  "deepseek mla context=2 expert=2 ring": (
+    "model_name=deepseek3-tiny",
+    "ici_context_parallelism=2",
+    "ici_expert_parallelism=2",
+    "context_parallel_strategy=ring",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_loss_and_gradients_equal_one_device(name):
+  """The summed loss and every gradient of a packed batch; float32 at HIGHEST precision."""
+  args = (*MODELS[name], "sa_block_q=8", "sa_block_kv=4", "ici_fsdp_parallelism=-1")
+  one = config(*[a for a in args if not a.startswith("ici_")], "per_device_batch_size=4")
+  cfg = config(*args, "per_device_batch_size=0.5", num_devices=8)
+  batch = _packed_batch(one, rows=4)
+  params = models.Transformer(one).init(jax.random.key(0), *models.init_inputs(1, one.max_target_length))["params"]
+  loss1, grads1 = _loss_and_grads(one, None, params, batch)
+  loss8, grads8 = _loss_and_grads(cfg, sharding.create_mesh(cfg, jax.devices()), params, batch)
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  for (path, g8), g1 in zip(jax.tree_util.tree_leaves_with_path(grads8), jax.tree_util.tree_leaves(grads1), strict=True):
+    scale = float(np.abs(np.asarray(g1)).max()) + 1e-6
+    np.testing.assert_allclose(np.asarray(g8), np.asarray(g1), atol=1e-4 * scale, rtol=0, err_msg=str(path))
+
+
+def test_lengths_that_do_not_split_are_refused_in_one_line():
+  with pytest.raises(
+    ConfigError, match=r"context_parallel_load_balance: max_target_length=40 does not split into 2 x 8 chunks"
+  ):
+    config("ici_context_parallelism=8", "max_target_length=40", num_devices=8)
+  config("ici_context_parallelism=8", "max_target_length=40", "context_parallel_load_balance=false", num_devices=8)
+  with pytest.raises(ConfigError, match="max_target_length=36 does not split over the 8 shards"):
+    config("ici_context_parallelism=8", "max_target_length=36", "context_parallel_load_balance=false", num_devices=8)
+  with pytest.raises(
+    ConfigError, match="context_parallel_strategy='rings' is not supported; choose one of 'all_gather', 'ring'"
+  ):
+    config("context_parallel_strategy=rings")
