@@ -82,6 +82,7 @@ LORA_RANK = "lora_rank"  # The rank axis of LoRA adapters (lora_rank): A [*in, r
 # Activation axes.
 BATCH = "activation_batch"
 LENGTH = "activation_length"
+STAGE = "activation_stage"  # the pipeline's stages (layers/pipeline.py)
 ACT_EMBED = "activation_embed"
 ACT_MLP = "activation_mlp"
 ACT_HEADS = "activation_heads"
@@ -98,7 +99,7 @@ CACHE_AXES = (CACHE_BATCH, CACHE_SEQUENCE, CACHE_HEADS, CACHE_KV)
 LATENT_CACHE_AXES = (CACHE_BATCH, CACHE_SEQUENCE, None, CACHE_KV)  # MLA's cache: one latent "head", never split
 
 PARAM_AXES = (EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, NORM, LAYERS, EXP, EMBED_NO_EXP, Q_LORA, KV_LORA, LORA_RANK)
-ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_HEAD_DIM, ACT_VOCAB) + CACHE_AXES
+ACTIVATION_AXES = (BATCH, LENGTH, STAGE, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_HEAD_DIM, ACT_VOCAB) + CACHE_AXES
 
 # What a forward pass is for: training (logits only), prefill (logits and the prompt's keys and values for
 # the cache) or autoregressive (one new token per row, attending to the cache).

@@ -45,7 +45,7 @@ PARALLELISM_AXES = {
 }
 _NAME_OF_AXIS = {axis: name for name, axis in PARALLELISM_AXES.items()}  # mesh axis -> its *_parallelism keys' name
 # Axes whose layers do not exist yet: a size above 1 is refused rather than silently ignored.
-UNSUPPORTED_AXES = {"pipeline": "pipeline parallelism"}
+UNSUPPORTED_AXES: dict[str, str] = {}
 
 # Keys holding a local path or a URL (gs://...). A local one is made absolute once, in `parse`, against the
 # directory the command was started from: Orbax refuses relative checkpoint paths, and later code may change
@@ -561,6 +561,7 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   d |= _schedule(values)
   d |= _mesh(values, num_devices, num_slices)
   d |= _batches(values, num_devices)
+  d |= _pipeline(values, d)
   _check_shards(values, d)
   family = families.get(values["decoder_block"])
   extra = family.derive({**values, **d})
@@ -629,6 +630,46 @@ def _batches(values: Mapping, num_devices: int) -> dict:
   }
 
 
+def _pipeline(values: Mapping, d: Mapping) -> dict:
+  """The pipeline's layers, repeats and microbatches (layers/pipeline.py), checked against the model and batch."""
+  stages = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))["stage"]
+  layers = d["num_decoder_layers"]
+  family = families.get(values["decoder_block"])
+  last_stack = layers - (values["first_num_dense_layers"] if family.dense_layer is not None else 0)
+  piped = values["pipeline_parallel_layers"] if values["pipeline_parallel_layers"] > 0 else last_stack
+  per_stage = values["num_layers_per_pipeline_stage"]
+  repeats = values["num_pipeline_repeats"] if values["num_pipeline_repeats"] > 0 else piped // max(stages * per_stage, 1)
+  micro = values["num_pipeline_microbatches"] if values["num_pipeline_microbatches"] > 0 else stages
+  derived = {"pipeline_parallel_layers": piped, "num_pipeline_repeats": repeats, "num_pipeline_microbatches": micro}
+  if stages == 1:
+    return derived
+  ici, dcn = values["ici_pipeline_parallelism"], values["dcn_pipeline_parallelism"]
+  given = f"{stages} stages (ici_pipeline_parallelism={ici}, dcn_pipeline_parallelism={dcn})"
+  if not 0 < piped <= last_stack:
+    raise ConfigError(f"pipeline_parallel_layers={piped}: the pipeline takes 1 to {last_stack} layers (the last stack's)")
+  if per_stage < 1 or stages * per_stage * repeats != piped:
+    raise ConfigError(
+      f"the {piped} pipelined layers (pipeline_parallel_layers) must be {given} x num_layers_per_pipeline_stage="
+      f"{per_stage} x num_pipeline_repeats={values['num_pipeline_repeats']} (-1: derived); choose values whose "
+      f"product is {piped}"
+    )
+  stacks = [layers - last_stack, last_stack] if last_stack < layers else [layers]
+  if any(count % stages for count in stacks if count):
+    raise ConfigError(
+      f"{given}: the layer stacks of {', '.join(map(str, (c for c in stacks if c)))} layers must split evenly over the "
+      "stages (their weights are sharded over them); change the pipeline parallelism or first_num_dense_layers"
+    )
+  if micro % stages:
+    raise ConfigError(f"num_pipeline_microbatches={micro} must be a multiple of the {given}")
+  for key, rows in (("per_device_batch_size", d["micro_batch_size"]), ("eval_per_device_batch_size", d["eval_batch_size"])):
+    if rows % micro:
+      raise ConfigError(
+        f"{key} gives batches of {rows} rows, which num_pipeline_microbatches={micro} does not divide; raise {key} or "
+        "change num_pipeline_microbatches"
+      )
+  return derived
+
+
 def _check_shards(values: Mapping, d: Mapping) -> None:
   """Each sharded dimension must split evenly over the mesh axes its logical name maps to in
   logical_axis_rules (a jitted array cannot be split unevenly)."""
@@ -668,10 +709,13 @@ def _check_shards(values: Mapping, d: Mapping) -> None:
   elsewhere = [
     f"ici_{n}_parallelism" for n, a in PARALLELISM_AXES.items() if a not in batch_axes and n not in UNSUPPORTED_AXES
   ]
+  stages = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))["stage"]
+  pieces = d["num_pipeline_microbatches"] if stages > 1 else 1
   for key, rows in (("per_device_batch_size", d["micro_batch_size"]), ("eval_per_device_batch_size", d["eval_batch_size"])):
-    if rows % shards:
+    if (rows // pieces) % shards:
+      what = f"pipeline microbatches of {rows // pieces} rows" if pieces > 1 else f"a batch of {rows} rows"
       raise ConfigError(
-        f"{key}={values[key] or values['per_device_batch_size']} gives a batch of {rows} rows that does not split "
+        f"{key}={values[key] or values['per_device_batch_size']} gives {what} that does not split "
         f"over the {shards} shards of the mesh axes of activation_batch: {axes}; raise {key}, or move devices to axes "
         f"that do not shard the batch ({', '.join(elsewhere)})"
       )

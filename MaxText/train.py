@@ -33,7 +33,7 @@ from MaxText import checkpointing, cli, compiled_step, input_pipeline, lora, met
 from MaxText import state as state_lib  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
-from MaxText.layers import models  # noqa: E402
+from MaxText.layers import models, pipeline  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- the math
@@ -542,6 +542,8 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
   num_params = metrics.count_params(layout.abstract.params)
   origin = start.source if start.resumed else f"starting from {start.source}"
   cli.log(f"Model: {num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; {origin}")
+  if pipeline.num_stages(config) > 1:
+    cli.log(pipeline.describe(config))
   batch_sharding = sharding.batch_sharding(mesh, config)
   eval_fn = jax.jit(
     lambda p, r, b: eval_step(model, p, r, b),

@@ -29,6 +29,7 @@ import jax  # noqa: E402
 from MaxText import cli, compiled_step, pyconfig, tpu_topology, train  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
+from MaxText.layers import pipeline  # noqa: E402
 
 
 def load_config(argv) -> Config:
@@ -84,6 +85,8 @@ def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_st
 def _main(config: Config) -> None:
   compiled, report, mesh = compile_train_step(config)
   cli.log("\n".join(report.lines()))
+  if pipeline.num_stages(config) > 1:
+    cli.log(pipeline.describe(config))
   if not report.fits:
     raise TrainingError(report.does_not_fit(config))
   if config.compiled_trainstep_file:

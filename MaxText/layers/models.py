@@ -7,7 +7,7 @@ from flax import linen as nn
 from MaxText import common_types as ct
 from MaxText import families, sharding
 from MaxText.common_types import Config
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, pipeline
 from MaxText.layers.attention_kernels import soft_cap
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
@@ -131,8 +131,12 @@ class Transformer(nn.Module):
       policy = remat_policy(cfg.remat_policy, platform)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
     kvs = []
-    for stack in families.layer_stacks(cfg):
+    stacks = families.layer_stacks(cfg)
+    for stack in stacks:
       block = nn.remat(stack.layer, policy=policy, prevent_cse=not cfg.scan_layers) if remat else stack.layer
+      if stack is stacks[-1] and pipeline.runs(cfg, self.mesh, mode) and not self.is_initializing():
+        x = self._pipeline(block(cfg, self.mesh, deterministic, mode, parent=None), stack, x, segment_ids, positions)
+        continue
       end = stack.start + stack.count
       stack_cache = None if cache is None else jax.tree_util.tree_map(lambda c, a=stack.start, z=end: c[a:z], cache)
       if cfg.scan_layers:
@@ -164,6 +168,25 @@ class Transformer(nn.Module):
     logits = output_logits(cfg, embed, x)
     logits = sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
     return logits if mode == ct.MODEL_MODE_TRAIN else (logits, kv)
+
+  def _pipeline(self, layer: nn.Module, stack: families.Stack, x, segment_ids, positions):
+    """The last stack's layers through the pipeline (layers/pipeline.py), on its parameters as they are stored
+    (scanned: [layers, ...]; unrolled: one entry per layer, stacked here), sowing what the layers sow where they
+    would have."""
+    cfg, params = self.config, self.variables["params"]
+    if cfg.scan_layers:
+      stacked = params[stack.name]
+    else:
+      names = [f"{stack.name}_{j}" for j in range(stack.count)]
+      stacked = jax.tree_util.tree_map(lambda *p: jnp.stack(p), *[params[name] for name in names])
+    rng = None if layer.deterministic else self.make_rng("dropout")
+    x, sown = pipeline.run(cfg, self.mesh, layer, stacked, x, segment_ids, positions, stack.start, rng)
+    if sown and cfg.scan_layers:
+      pipeline.Sow(name=stack.name)(sown)
+    elif sown:
+      for j, name in enumerate(names):
+        pipeline.Sow(name=name)(jax.tree_util.tree_map(lambda v, j=j: v[j], sown))
+    return x
 
   def _reorder(self, x, logical_axes, inverse=False):
     x = sharding.constrain(x, logical_axes, self.mesh, self.config)

@@ -39,7 +39,7 @@ PROBED = [
   ["ici_tensor_parallelism=3"],
   ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
   ["dcn_data_parallelism=2"],
-  ["ici_pipeline_parallelism=2"],
+  ["ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"],
   ["steps"],
   ["=3"],
   ["steps=3", "steps=4x"],

@@ -304,3 +304,12 @@ def test_context_parallel_decode_equals_single_device():
   )
   _, params = _params(one)
   assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
+
+
+def test_pipeline_parallel_layout_decodes_as_single_device():
+  """A pipeline-parallel training layout (stage=2 x fsdp=4: the layers' weights split over the stages) decodes
+  with the same logits and tokens; decoding itself runs the layers in order."""
+  one = config(*DECODE, "per_device_batch_size=8")
+  eight = config(*DECODE, "per_device_batch_size=1", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", num_devices=8)
+  _, params = _params(one)
+  assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))

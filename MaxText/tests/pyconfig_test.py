@@ -89,7 +89,7 @@ BAD = [
   (["base_emb_dim=64"], "base_emb_dim"),
   (["model_name=llama9"], "model_name"),
   (["run_name="], "run_name is empty"),
-  (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"], "ici_pipeline_parallelism"),
+  (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=3"], "num_pipeline_microbatches=3"),
   (["load_parameters_path=/nonexistent/checkpoint"], "load_parameters_path"),
   (["run_name=../escape"], "run_name='../escape' must be one plain folder name"),
   (["run_name=/abs/run"], "run_name='/abs/run'"),

@@ -1,0 +1,182 @@
+"""Pipeline parallelism: the decoder layers split into stages over the `stage` mesh axis.
+
+The schedule is MaxText's (and GPipe's, Huang et al. 2019, made circular as in Narayanan et al. 2021): S stages,
+each running `num_layers_per_pipeline_stage` (LPS) consecutive layers, the whole stack passed `num_pipeline_repeats`
+(R) times, so layer l = (r * S + s) * LPS + j is layer j of stage s in repeat r. The batch is cut into M
+`num_pipeline_microbatches`. At iteration t stage s works on item k = t - s (microbatch k % M, repeat k // M) when
+0 <= k < M * R; the other iterations are the bubble. After each iteration every stage's output moves one stage on
+(a collective permute over the stage axis), and stage S-1's result for item k is stored for microbatch k % M,
+where stage 0 reads it back for the next repeat (M >= S makes it ready in time). Iterations: M * R + S - 1, of
+which S - 1 are bubble: the fraction `bubble_fraction`.
+
+All stages run one program (SPMD): the stage function is vmapped over the stage dimension, which the mesh's
+`stage` axis shards, so each device computes its own stage. The parameters stay in the model's usual layout (the
+scanned stack, [layers, ...], sharded over `stage` by the `layers` rule), so checkpoints are the same with and
+without pipelining; they are viewed as [R, S, LPS, ...] for the schedule. With R = 1 each device's share is its
+stage's layers; with R > 1 (circular) XLA moves each stage's layers to it once per step.
+
+Only training runs through the pipeline (and evaluation, which uses the training forward pass); prefill and
+decoding run the layers in order on any mesh.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import traverse_util
+
+from MaxText import common_types as ct
+from MaxText import sharding
+from MaxText.common_types import Config
+
+# Sown values (mixture of experts) that are a mean over the tokens of a call: averaged over microbatches. Others
+# (counts) add up.
+MEAN_OVER_MICROBATCHES = ("moe_lb_loss",)
+
+
+def num_stages(config: Config) -> int:
+  return dict(zip(config.mesh_axes, config.mesh_shape, strict=True))["stage"]
+
+
+def runs(config: Config, mesh, model_mode: str) -> bool:
+  """Whether the model's forward pass runs through the pipeline."""
+  return mesh is not None and model_mode == ct.MODEL_MODE_TRAIN and num_stages(config) > 1
+
+
+def bubble_fraction(config: Config) -> float:
+  """(S - 1) / (R * M + S - 1): the share of stage-iterations that do no work."""
+  s = num_stages(config)
+  return (s - 1) / (config.num_pipeline_repeats * config.num_pipeline_microbatches + s - 1)
+
+
+def describe(config: Config) -> str:
+  """The schedule in one line, for the start of a run."""
+  s = num_stages(config)
+  return (
+    f"Pipeline: {s} stages x {config.num_layers_per_pipeline_stage} layers x {config.num_pipeline_repeats} repeats "
+    f"({config.pipeline_parallel_layers} pipelined layers), {config.num_pipeline_microbatches} microbatches; "
+    f"bubble {bubble_fraction(config):.1%} of stage-iterations"
+  )
+
+
+def apply_layers(block: nn.Module, params, x, segment_ids, positions, indices, rng):
+  """The layers of `params` (stacked, [n, ...]) in order on x, by `block` (a decoder layer, remat included);
+  indices [n] are their layer numbers. Returns (x, what they sowed, stacked [n, ...])."""
+
+  def layer(x, p_and_index):
+    p, index = p_and_index
+    rngs = {} if rng is None else {"dropout": jax.random.fold_in(rng, index)}
+    (x, _), sown = block.apply(
+      {"params": p}, x, segment_ids, positions, None, None, None, index, rngs=rngs, mutable=["intermediates"]
+    )
+    return x, sown.get("intermediates", {})
+
+  return jax.lax.scan(layer, x, (params, indices))
+
+
+def run(config: Config, mesh, block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
+  """A stack of layers on x [batch, length, embed], its first pipeline_parallel_layers through the pipeline and
+  the rest after it, in order: (x after them, what they sowed, {path: [layers, ...]}).
+
+  params: the stack's parameters, [layers, ...] (layer number `first_layer` first); rng: dropout key or None."""
+  n = config.pipeline_parallel_layers
+  count = jax.tree_util.tree_leaves(params)[0].shape[0]
+  head = jax.tree_util.tree_map(lambda p: p[:n], params)
+  x, sown = _pipelined(config, mesh, block, head, x, segment_ids, positions, first_layer, rng)
+  if n == count:
+    return x, sown
+  tail = jax.tree_util.tree_map(lambda p: p[n:], params)
+  x, rest = apply_layers(block, tail, x, segment_ids, positions, first_layer + jnp.arange(n, count), rng)
+  rest = {path: values[0] for path, values in traverse_util.flatten_dict(rest).items()}
+  flat = traverse_util.flatten_dict(sown)
+  return x, traverse_util.unflatten_dict({path: jnp.concatenate([flat[path], rest[path]]) for path in flat})
+
+
+def _pipelined(config: Config, mesh, block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
+  """run()'s pipeline: params [pipeline_parallel_layers, ...]."""
+  s, m, r = num_stages(config), config.num_pipeline_microbatches, config.num_pipeline_repeats
+  lps = config.num_layers_per_pipeline_stage
+  b, length, emb = x.shape
+  mb = b // m
+
+  def microbatches(a):  # row i goes to microbatch i % m: each device keeps its own rows
+    return jnp.swapaxes(a.reshape(mb, m, *a.shape[1:]), 0, 1)
+
+  inputs, segs, poss = microbatches(x), microbatches(segment_ids), microbatches(positions)
+  # [R, S, LPS, ...]: the stage dimension over the stage mesh axis, as is its [S, R, LPS] table of layer numbers.
+  stage_params = jax.tree_util.tree_map(lambda p: _over_stages(p.reshape(r, s, lps, *p.shape[1:]), mesh, config), params)
+  stages = jnp.arange(s)
+  layer_of_stage = first_layer + (jnp.arange(r)[None, :, None] * s + stages[:, None, None]) * lps + jnp.arange(lps)
+  state_axes = (ct.STAGE, ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
+  vmapped = jax.vmap(
+    lambda p, repeat, x, seg, pos, key, layers: _stage(block, p, repeat, x, seg, pos, key, layers),
+    in_axes=(1, 0, 0, 0, 0, None if rng is None else 0, 0),
+    spmd_axis_name=_stage_axes(config),
+  )
+
+  def iteration(carry, t):
+    state, buffer = carry
+    item = t - stages  # [S]: the item each stage works on
+    micro, repeat = item % m, jnp.clip(item // m, 0, r - 1)
+    state = sharding.constrain(state.at[0].set(buffer[t % m]), state_axes, mesh, config)
+    keys = None if rng is None else jax.vmap(lambda i: jax.random.fold_in(rng, i))(t * s + stages)
+    out, sown = vmapped(stage_params, repeat, state, segs[micro], poss[micro], keys, layer_of_stage)
+    out = sharding.constrain(out, state_axes, mesh, config)
+    last = t - (s - 1)  # the item stage S-1 finished: stored for its microbatch (read back by stage 0)
+    slot = jnp.clip(last, 0, m * r - 1) % m
+    done = (last >= 0) & (last < m * r)
+    buffer = buffer.at[slot].set(jnp.where(done, out[s - 1], buffer[slot]))
+    valid = (item >= 0) & (item < m * r)
+    return (jnp.roll(out, 1, axis=0), buffer), (sown, valid, repeat)  # roll: each output moves one stage on
+
+  state = jnp.zeros((s, mb, length, emb), x.dtype)
+  (_, buffer), (sown, valid, repeat) = jax.lax.scan(iteration, (state, inputs), jnp.arange(m * r + s - 1))
+  out = jnp.swapaxes(buffer, 0, 1).reshape(b, length, emb)
+  return out, _per_layer(sown, valid, repeat, s, m, r, lps)
+
+
+def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):
+  """One stage's LPS layers of repeat `repeat`: p and layer_of_stage are the stage's [R, LPS, ...] share."""
+  p = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), p)
+  indices = jax.lax.dynamic_index_in_dim(layer_of_stage, repeat, 0, keepdims=False)
+  return apply_layers(block, p, x, seg, pos, indices, key)
+
+
+def _per_layer(sown, valid, repeat, s, m, r, lps):
+  """What the stages sowed, [iterations, S, LPS, ...] per value, as [layers, ...] in layer order: bubble
+  iterations dropped, MEAN_OVER_MICROBATCHES averaged over the microbatches and the rest summed."""
+  flat = traverse_util.flatten_dict(sown)
+  stages = np.arange(s)
+  out = {}
+  for path, values in flat.items():
+    (value,) = values if isinstance(values, tuple) else (values,)
+    mask = valid.reshape(*valid.shape, *([1] * (value.ndim - 2)))
+    total = jnp.zeros((r, s, *value.shape[2:]), value.dtype)
+    total = total.at[repeat, stages[None, :]].add(jnp.where(mask, value, 0))
+    if path[-1] in MEAN_OVER_MICROBATCHES:
+      total = total / m
+    out[path] = total.reshape(r * s * lps, *value.shape[3:])
+  return traverse_util.unflatten_dict(out)
+
+
+def _stage_axes(config: Config):
+  return sharding.logical_to_mesh_spec((ct.STAGE,), config)[0]
+
+
+def _over_stages(p, mesh, config: Config):
+  """p [R, S, ...] with its stage dimension over the stage mesh axis, the others left to XLA."""
+  unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
+  spec = jax.sharding.PartitionSpec(None, _stage_axes(config), *([unconstrained] * (p.ndim - 2)))
+  return jax.lax.with_sharding_constraint(p, jax.sharding.NamedSharding(mesh, spec))
+
+
+class Sow(nn.Module):
+  """Sows a tree of values {name: value or subtree} under its own path, as the layers would have."""
+
+  @nn.compact
+  def __call__(self, tree):
+    for name, value in tree.items():
+      if isinstance(value, dict):
+        Sow(name=name)(value)
+      else:
+        self.sow("intermediates", name, value)
