@@ -61,7 +61,7 @@ def describe(config: Config) -> str:
 
 def apply_layers(block: nn.Module, params, x, segment_ids, positions, indices, rng):
   """The layers of `params` (stacked, [n, ...]) in order on x, by `block` (a decoder layer, remat included);
-  indices [n] are their layer numbers. Returns (x, what they sowed, stacked [n, ...])."""
+  indices [n] are their layer numbers. Returns (x, what they sowed stacked [n, ...])."""
 
   def layer(x, p_and_index):
     p, index = p_and_index
@@ -76,7 +76,7 @@ def apply_layers(block: nn.Module, params, x, segment_ids, positions, indices, r
 
 def run(config: Config, mesh, block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
   """A stack of layers on x [batch, length, embed], its first pipeline_parallel_layers through the pipeline and
-  the rest after it, in order: (x after them, what they sowed, {path: [layers, ...]}).
+  the rest after it, in order: (x after them, what they sowed as {path: [layers, ...]}).
 
   params: the stack's parameters, [layers, ...] (layer number `first_layer` first); rng: dropout key or None."""
   n = config.pipeline_parallel_layers
@@ -108,8 +108,16 @@ def _pipelined(config: Config, mesh, block: nn.Module, params, x, segment_ids, p
   stages = jnp.arange(s)
   layer_of_stage = first_layer + (jnp.arange(r)[None, :, None] * s + stages[:, None, None]) * lps + jnp.arange(lps)
   state_axes = (ct.STAGE, ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
+
+  def stage(p, repeat, x, seg, pos, key, layers):
+    return _stage(block, p, repeat, x, seg, pos, key, layers)
+
+  if config.remat_policy != "none":
+    # Each iteration keeps only its inputs for the backward pass, which recomputes the stage's forward (its layers
+    # rematerialised by remat_policy inside): without this, every iteration's layer inputs stay live at once.
+    stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable)
   vmapped = jax.vmap(
-    lambda p, repeat, x, seg, pos, key, layers: _stage(block, p, repeat, x, seg, pos, key, layers),
+    stage,
     in_axes=(1, 0, 0, 0, 0, None if rng is None else 0, 0),
     spmd_axis_name=_stage_axes(config),
   )
@@ -137,7 +145,13 @@ def _pipelined(config: Config, mesh, block: nn.Module, params, x, segment_ids, p
 
 def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):
   """One stage's LPS layers of repeat `repeat`: p and layer_of_stage are the stage's [R, LPS, ...] share."""
-  p = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), p)
+  if layer_of_stage.shape[0] == 1:
+    p = jax.tree_util.tree_map(lambda a: a[0], p)
+  else:
+    # The repeat's weights by a one-hot contraction (exact: one term is the weight, the others 0): a dynamic index
+    # would be a gather over the vmapped stages, which XLA partitions by gathering the FSDP-sharded weights whole.
+    one_hot = jax.nn.one_hot(repeat, layer_of_stage.shape[0])
+    p = jax.tree_util.tree_map(lambda a: jnp.tensordot(one_hot.astype(a.dtype), a, axes=1), p)
   indices = jax.lax.dynamic_index_in_dim(layer_of_stage, repeat, 0, keepdims=False)
   return apply_layers(block, p, x, seg, pos, indices, key)
 
