@@ -15,4 +15,4 @@ WORKERS=()
 for arg in "$@"; do
   case "$arg" in *"not slow"*) WORKERS=(-n 2 --dist loadfile) ;; esac
 done
-"$PYTHON" -m pytest -q -p no:cacheprovider ${WORKERS[@]+"${WORKERS[@]}"} MaxText/tests "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=40 ${WORKERS[@]+"${WORKERS[@]}"} MaxText/tests "$@"
