@@ -699,6 +699,17 @@ def _check_shards(values: Mapping, d: Mapping) -> None:
       f"{shards} chunks for the {shards} sequence shards of {axes}; make it a multiple of {2 * shards}, or set "
       "context_parallel_load_balance=false"
     )
+  if shards > 1 and values["context_parallel_load_balance"] and values["capacity_factor"] > 0:
+    raise ConfigError(
+      f"capacity_factor={values['capacity_factor']} drops expert assignments in token order, which "
+      "context_parallel_load_balance changes; set context_parallel_load_balance=false or capacity_factor=-1 (dropless)"
+    )
+  stages = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))["stage"]
+  if shards > 1 and stages > 1:
+    raise ConfigError(
+      f"pipeline parallelism ({stages} stages) with sequences split over {axes} is not supported yet; set the "
+      "*_pipeline_parallelism or the *_context/_sequence_parallelism keys to 1"
+    )
   if shards > 1 and values["attention"].startswith("cudnn"):
     raise ConfigError(
       f"attention={values['attention']} (cuDNN) does not run under context parallelism ({axes}); use "
@@ -709,7 +720,6 @@ def _check_shards(values: Mapping, d: Mapping) -> None:
   elsewhere = [
     f"ici_{n}_parallelism" for n, a in PARALLELISM_AXES.items() if a not in batch_axes and n not in UNSUPPORTED_AXES
   ]
-  stages = dict(zip(values["mesh_axes"], d["mesh_shape"], strict=True))["stage"]
   pieces = d["num_pipeline_microbatches"] if stages > 1 else 1
   for key, rows in (("per_device_batch_size", d["micro_batch_size"]), ("eval_per_device_batch_size", d["eval_batch_size"])):
     if (rows // pieces) % shards:

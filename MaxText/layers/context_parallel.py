@@ -16,7 +16,7 @@ device holding one piece of the queries, keys and values:
 Causality is by each token's index in the whole sequence (`attention_kernels.Tokens`), so a device's piece need
 not be contiguous. With `context_parallel_load_balance` (training) the sequence is cut into 2n chunks and device r
 holds chunks r and 2n-1-r: under a causal mask every device then has the same work, where a contiguous split gives
-the last device n times the first one's. The Transformer reorders its inputs into that order on entry and its
+the last device about 2n-1 times the first one's. The Transformer reorders its inputs into that order on entry and its
 activations back before the output head (`reorder`), so logits, losses and everything outside it see the sequence
 in its natural order. Packed documents (segment ids) and sliding windows are exact: masks use the tokens' own
 segments, positions and indices.
@@ -128,6 +128,8 @@ def attend(q, k, v, segment_ids, positions, *, config: Config, mesh=None, window
   if n == 1 or (model_mode != ct.MODEL_MODE_TRAIN and q.shape[1] % n):
     return ak.attend(q, k, v, segment_ids, positions, config=config, mesh=mesh, window=window, cap=cap)
   kernel = ak.select(config, q.shape[1], ak.platform_of(mesh), q_shape=q.shape, dtype=q.dtype, window=window, cap=cap)
+  if kernel.startswith("cudnn") and config.attention == "autoselected":
+    kernel = "flash"  # blockwise: cuDNN's kernel takes whole sequences
   if kernel.startswith("cudnn"):
     raise ConfigError(
       f"attention={config.attention} (cuDNN) does not run under context parallelism; use attention=flash "

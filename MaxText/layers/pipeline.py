@@ -19,6 +19,8 @@ Only training runs through the pipeline (and evaluation, which uses the training
 decoding run the layers in order on any mesh.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,11 @@ MEAN_OVER_MICROBATCHES = ("moe_lb_loss",)
 
 
 def num_stages(config: Config) -> int:
-  return dict(zip(config.mesh_axes, config.mesh_shape, strict=True))["stage"]
+  """The pipeline's stages: the size of the mesh axes of activation_stage."""
+  axes = sharding.logical_to_mesh_spec((ct.STAGE,), config)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  sizes = dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
+  return math.prod(sizes[axis] for axis in axes)
 
 
 def runs(config: Config, mesh, model_mode: str) -> bool:
@@ -148,12 +154,18 @@ def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):
   if layer_of_stage.shape[0] == 1:
     p = jax.tree_util.tree_map(lambda a: a[0], p)
   else:
-    # The repeat's weights by a one-hot contraction (exact: one term is the weight, the others 0): a dynamic index
-    # would be a gather over the vmapped stages, which XLA partitions by gathering the FSDP-sharded weights whole.
-    one_hot = jax.nn.one_hot(repeat, layer_of_stage.shape[0])
-    p = jax.tree_util.tree_map(lambda a: jnp.tensordot(one_hot.astype(a.dtype), a, axes=1), p)
+    # The repeat's weights as a one-hot weighted sum, elementwise (exact: one term is the weight, the others 0; a
+    # dot could round float32 weights to bfloat16 on TPU): a dynamic index would be a gather over the vmapped
+    # stages, which XLA partitions by gathering the FSDP-sharded weights whole.
+    one_hot = jax.nn.one_hot(repeat, layer_of_stage.shape[0], dtype=jnp.bool_)
+    p = jax.tree_util.tree_map(lambda a: jnp.sum(jnp.where(_along(one_hot, a.ndim), a, 0), axis=0).astype(a.dtype), p)
   indices = jax.lax.dynamic_index_in_dim(layer_of_stage, repeat, 0, keepdims=False)
   return apply_layers(block, p, x, seg, pos, indices, key)
+
+
+def _along(v: jax.Array, ndim: int) -> jax.Array:
+  """v [n] shaped [n, 1, ...] to broadcast along the first axis of an ndim-array."""
+  return v.reshape(-1, *([1] * (ndim - 1)))
 
 
 def _per_layer(sown, valid, repeat, s, m, r, lps):

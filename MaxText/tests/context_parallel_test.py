@@ -69,6 +69,25 @@ def test_split_attention_equals_the_reference(degree, strategy, kernel, balanced
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize(
+  "axes", [("ici_context_parallelism=4",), ("ici_sequence_parallelism=2", "ici_context_parallelism=2")]
+)
+def test_pieces_that_are_no_multiple_of_the_blocks(strategy, axes):
+  """Length 48 over 4 devices, balanced: each device holds two chunks of 6 tokens, far apart, in blocks of 8 (padded
+  at the end of each piece); over one axis or over sequence x context."""
+  cfg, mesh = _mesh_config(4, *axes, "max_target_length=48", f"context_parallel_strategy={strategy}", "attention=flash")
+  q, k, v, w, seg, pos = _inputs(4, 48, 4, 2, docs=(10, 15, 20))
+  order = cp.load_balanced_order(48, 4)
+
+  def split(q, k, v, seg, pos):
+    return cp.attend(q, k, v, seg, pos, config=cfg, mesh=mesh, window=9)
+
+  got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)))
+  want = _out_and_grads(_reference(9), q, k, v, w, seg, pos)
+  _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_split_attention_with_tensor_parallel_heads_and_a_traced_window(strategy):
   """context=4 x tensor=2 with one kv head (repeated to each device's query heads); the window is traced, as in
   Gemma 2's scan over local and global layers."""
@@ -164,6 +183,17 @@ def test_lengths_that_do_not_split_are_refused_in_one_line():
   config("ici_context_parallelism=8", "max_target_length=40", "context_parallel_load_balance=false", num_devices=8)
   with pytest.raises(ConfigError, match="max_target_length=36 does not split over the 8 shards"):
     config("ici_context_parallelism=8", "max_target_length=36", "context_parallel_load_balance=false", num_devices=8)
+  with pytest.raises(ConfigError, match="capacity_factor=1.0 drops expert assignments in token order"):
+    config(
+      "ici_context_parallelism=2",
+      "decoder_block=mixtral",
+      "num_experts=4",
+      "override_model_config=true",
+      "capacity_factor=1",
+      num_devices=8,
+    )
+  with pytest.raises(ConfigError, match=r"pipeline parallelism \(2 stages\) with sequences split over"):
+    config("ici_context_parallelism=2", "ici_pipeline_parallelism=2", num_devices=8)
   with pytest.raises(
     ConfigError, match="context_parallel_strategy='rings' is not supported; choose one of 'all_gather', 'ring'"
   ):

@@ -287,7 +287,7 @@ def test_a_step_file_for_another_step_is_a_config_error_before_any_work(tmp_path
 
 def test_a_fingerprint_leaves_out_keys_that_do_not_shape_the_step():
   cfg = pyconfig.load([BASE_YML, *overrides()], num_devices=1, env={})
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * 6), tuple(cfg.mesh_axes))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(cfg.mesh_axes)), tuple(cfg.mesh_axes))
   keys = compiled_step.fingerprint(cfg, mesh)["config"]
   assert {"run_name", "steps", "metrics_file", "dataset_type", "ici_fsdp_parallelism"}.isdisjoint(keys)
   assert {"emb_dim", "per_device_batch_size", "learning_rate_schedule_steps", "ici_mesh_shape", "remat_policy"} <= set(keys)
