@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding, train
+from MaxText import sharding
 from MaxText.common_types import ConfigError
 from MaxText.layers import context_parallel as cp
 from MaxText.layers import models
 from MaxText.tests.attention_kernels_test import _assert_close, _inputs, _out_and_grads, _reference
-from MaxText.tests.helpers import config, train_batch
+from MaxText.tests.helpers import assert_mesh_loss_and_grads_equal, config, train_batch
 
 LENGTH = 64
 
@@ -128,14 +128,6 @@ def _packed_batch(cfg, rows):
   return {**batch, "inputs_segmentation": seg, "inputs_position": pos, "targets_segmentation": seg}
 
 
-def _loss_and_grads(cfg, mesh, params, batch):
-  model = models.Transformer(cfg, mesh)
-  if mesh is not None:
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  grad = jax.value_and_grad(lambda p, b: train.loss_fn(model, p, b, jax.random.key(0), True)[0])
-  return jax.jit(grad)(params, batch)
-
-
 MODELS = {
   "llama context=2 fsdp=4": ("ici_context_parallelism=2", "ici_fsdp_parallelism=4"),
   "llama context=4 tensor=2 ring": (
@@ -167,12 +159,7 @@ def test_model_loss_and_gradients_equal_one_device(name):
   cfg = config(*args, "per_device_batch_size=0.5", num_devices=8)
   batch = _packed_batch(one, rows=4)
   params = models.Transformer(one).init(jax.random.key(0), *models.init_inputs(1, one.max_target_length))["params"]
-  loss1, grads1 = _loss_and_grads(one, None, params, batch)
-  loss8, grads8 = _loss_and_grads(cfg, sharding.create_mesh(cfg, jax.devices()), params, batch)
-  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
-  for (path, g8), g1 in zip(jax.tree_util.tree_leaves_with_path(grads8), jax.tree_util.tree_leaves(grads1), strict=True):
-    scale = float(np.abs(np.asarray(g1)).max()) + 1e-6
-    np.testing.assert_allclose(np.asarray(g8), np.asarray(g1), atol=1e-4 * scale, rtol=0, err_msg=str(path))
+  assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol=1e-5, grad_atol=1e-4)
 
 
 def test_lengths_that_do_not_split_are_refused_in_one_line():

@@ -74,6 +74,28 @@ def assert_sharded_decode_equals_one_device(one, eight, params, prompts):
   return cache8
 
 
+def assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol: float, grad_atol: float):
+  """The summed loss_fn of config `one` without a mesh and of `cfg` on all 8 devices (params replicated there), and
+  every gradient: the loss within `rtol`, each gradient within grad_atol x the largest of its reference's entries."""
+  from MaxText import sharding, train
+  from MaxText.layers import models
+
+  def loss_and_grads(cfg, mesh):
+    model = models.Transformer(cfg, mesh)
+    placed = (
+      params if mesh is None else jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    )
+    grad = jax.value_and_grad(lambda p, b: train.loss_fn(model, p, b, jax.random.key(0), True)[0])
+    return jax.jit(grad)(placed, batch)
+
+  loss1, grads1 = loss_and_grads(one, None)
+  loss8, grads8 = loss_and_grads(cfg, sharding.create_mesh(cfg, jax.devices()))
+  np.testing.assert_allclose(loss8, loss1, rtol=rtol)
+  for (path, g8), g1 in zip(jax.tree_util.tree_leaves_with_path(grads8), jax.tree_util.tree_leaves(grads1), strict=True):
+    scale = float(np.abs(np.asarray(g1)).max()) + 1e-6
+    np.testing.assert_allclose(np.asarray(g8), np.asarray(g1), atol=grad_atol * scale, rtol=0, err_msg=str(path))
+
+
 def run(args, env, timeout=300, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
   """Runs a command to completion, capturing its output as text; never raises for a non-zero exit code."""
   return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)

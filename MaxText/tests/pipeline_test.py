@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import sharding, train
+from MaxText import train
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, pipeline
-from MaxText.tests.helpers import config, train_batch
+from MaxText.tests.helpers import assert_mesh_loss_and_grads_equal, config, train_batch
 
 EIGHT_LAYERS = ("override_model_config=true", "base_num_decoder_layers=8")
 MOE = ("decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=48")
@@ -64,14 +64,6 @@ CASES = {
 }
 
 
-def _loss_and_grads(cfg, mesh, params, batch):
-  model = models.Transformer(cfg, mesh)
-  if mesh is not None:
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  grad = jax.value_and_grad(lambda p, b: train.loss_fn(model, p, b, jax.random.key(0), True)[0])
-  return jax.jit(grad)(params, batch)
-
-
 def _model_keys(args):
   return [a for a in args if not a.startswith(("ici_", "num_pipeline", "num_layers_per", "pipeline_"))]
 
@@ -83,12 +75,7 @@ def test_loss_and_gradients_equal_the_model_without_pipeline(name):
   assert pipeline.num_stages(cfg) > 1
   batch = train_batch(one, rows=8)
   params = models.Transformer(one).init(jax.random.key(0), *models.init_inputs(1, one.max_target_length))["params"]
-  loss1, grads1 = _loss_and_grads(one, None, params, batch)
-  loss8, grads8 = _loss_and_grads(cfg, sharding.create_mesh(cfg, jax.devices()), params, batch)
-  np.testing.assert_allclose(loss8, loss1, rtol=1e-6)
-  for (path, g8), g1 in zip(jax.tree_util.tree_leaves_with_path(grads8), jax.tree_util.tree_leaves(grads1), strict=True):
-    scale = float(np.abs(np.asarray(g1)).max()) + 1e-6
-    np.testing.assert_allclose(np.asarray(g8), np.asarray(g1), atol=1e-5 * scale, rtol=0, err_msg=str(path))
+  assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol=1e-6, grad_atol=1e-5)
 
 
 def test_training_resumes_across_pipeline_layouts(tmp_path, capsys):
