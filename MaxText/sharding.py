@@ -70,6 +70,17 @@ def logical_to_mesh_spec(logical_axes: Sequence[str | None], config: Config) -> 
   return nn.logical_to_mesh_axes(tuple(logical_axes), axis_rules(config))
 
 
+def mesh_axes_of(logical: str, config: Config) -> tuple[str, ...]:
+  """The mesh axes a logical axis name maps to under the config's rules (none: ())."""
+  spec = logical_to_mesh_spec((logical,), config)[0]
+  return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+def axis_sizes(config: Config, mesh: Mesh | None = None) -> dict[str, int]:
+  """Mesh axis name -> size: the mesh's, else the config's mesh_shape."""
+  return dict(mesh.shape) if mesh is not None else dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
+
+
 def logical_sharding(logical_axes: Sequence[str | None], mesh: Mesh, config: Config) -> NamedSharding:
   return NamedSharding(mesh, logical_to_mesh_spec(logical_axes, config))
 

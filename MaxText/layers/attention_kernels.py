@@ -419,17 +419,13 @@ def splash_attention(
 
   batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
   head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
-  kv_axes = sharding.logical_to_mesh_spec((ct.ACT_KV_HEADS,), config)[0]
   for name, count, axes in (("batch", b, batch_axes), ("heads", h, head_axes)):
     if count % mesh_size(mesh, axes):
       raise ConfigError(
         f"attention=flash (splash): {name}={count} does not divide into the {mesh_size(mesh, axes)} shards of mesh "
         f"axes {axes}; change the parallelism or use attention=dot_product"
       )
-  head_shards = mesh_size(mesh, head_axes)
-  if head_shards > 1 and (kv_axes != head_axes or k.shape[2] % head_shards):
-    # Each device's query heads must find their kv heads locally: repeat kv heads to one per query head.
-    k, v = (jnp.repeat(x, h // k.shape[2], axis=2) for x in (k, v))
+  k, v = kv_heads_local(k, v, h, mesh, config)
   qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
   ids_spec = PartitionSpec(batch_axes, None)
   sharded = jax.shard_map(
@@ -440,6 +436,18 @@ def splash_attention(
     check_vma=False,
   )
   return sharded(q, k, v, segment_ids, positions, window)
+
+
+def kv_heads_local(k, v, heads: int, mesh, config: Config):
+  """(k, v) [batch, length, kv_heads, head_dim] such that, with heads split over the mesh axes of activation_heads
+  inside shard_map, each device's query heads find their kv heads locally: as they are when the kv heads split
+  the same way, else repeated to one per query head."""
+  head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
+  kv_axes = sharding.logical_to_mesh_spec((ct.ACT_KV_HEADS,), config)[0]
+  head_shards = mesh_size(mesh, head_axes)
+  if head_shards > 1 and (kv_axes != head_axes or k.shape[2] % head_shards):
+    return tuple(jnp.repeat(x, heads // k.shape[2], axis=2) for x in (k, v))
+  return k, v
 
 
 def mesh_size(mesh, axes) -> int:

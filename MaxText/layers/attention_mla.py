@@ -125,8 +125,9 @@ class MLA(nn.Module):
       width = max(qk_dim, v_dim)
       q_all = jnp.concatenate([q_nope, q_pe], axis=-1)
       q_all, k, v = _pad_last(q_all, width), _pad_last(k, width), _pad_last(v, width)
-      attend = context_parallel.attend
-      out = attend(q_all, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, model_mode=self.model_mode)[..., :v_dim]
+      mode = self.model_mode
+      out = context_parallel.attend(q_all, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, model_mode=mode)
+      out = out[..., :v_dim]
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")
     out = DenseGeneral((cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, name="out")(out)

@@ -41,15 +41,13 @@ STRATEGIES = ("all_gather", "ring")
 
 def length_axes(config: Config, mesh: Mesh | None = None) -> tuple[str, ...]:
   """The mesh axes of size > 1 that split sequences (those of activation_length)."""
-  spec = sharding.logical_to_mesh_spec((ct.LENGTH,), config)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  sizes = dict(mesh.shape) if mesh is not None else dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
-  return tuple(a for a in axes if sizes[a] > 1)
+  sizes = sharding.axis_sizes(config, mesh)
+  return tuple(a for a in sharding.mesh_axes_of(ct.LENGTH, config) if sizes[a] > 1)
 
 
 def degree(config: Config, mesh: Mesh | None = None) -> int:
   """How many pieces each sequence is split into."""
-  sizes = dict(mesh.shape) if mesh is not None else dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
+  sizes = sharding.axis_sizes(config, mesh)
   return math.prod(sizes[a] for a in length_axes(config, mesh))
 
 
@@ -135,23 +133,17 @@ def attend(q, k, v, segment_ids, positions, *, config: Config, mesh=None, window
       f"attention={config.attention} (cuDNN) does not run under context parallelism; use attention=flash "
       "or dot_product, or set ici_context_parallelism and ici_sequence_parallelism to 1"
     )
-  if config.context_parallel_strategy not in STRATEGIES:
-    raise ConfigError(f"context_parallel_strategy={config.context_parallel_strategy} is not one of {', '.join(STRATEGIES)}")
   balanced = reorders(config, mesh, model_mode)
   axes = length_axes(config, mesh)
-  b, t, h, _ = q.shape
+  _, t, h, _ = q.shape
   batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
   head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
-  kv_axes = sharding.logical_to_mesh_spec((ct.ACT_KV_HEADS,), config)[0]
   if t % (2 * n if balanced else n):
     raise ConfigError(
       f"context parallelism over {n} devices: a length of {t} does not split into {2 * n if balanced else n} "
       "chunks; change max_target_length"
     )
-  head_shards = ak.mesh_size(mesh, head_axes)
-  if head_shards > 1 and (kv_axes != head_axes or k.shape[2] % head_shards):
-    # Each device's query heads must find their kv heads locally: repeat kv heads to one per query head.
-    k, v = (jnp.repeat(x, h // k.shape[2], axis=2) for x in (k, v))
+  k, v = ak.kv_heads_local(k, v, h, mesh, config)
   qkv_spec = PartitionSpec(batch_axes, axes, head_axes, None)
   ids_spec = PartitionSpec(batch_axes, axes)
   static = {

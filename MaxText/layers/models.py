@@ -189,7 +189,6 @@ class Transformer(nn.Module):
     return x
 
   def _reorder(self, x, logical_axes, inverse=False):
-    x = sharding.constrain(x, logical_axes, self.mesh, self.config)
     return context_parallel.reorder(x, logical_axes, self.config, self.mesh, inverse)
 
 

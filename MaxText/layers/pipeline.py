@@ -38,10 +38,8 @@ MEAN_OVER_MICROBATCHES = ("moe_lb_loss",)
 
 def num_stages(config: Config) -> int:
   """The pipeline's stages: the size of the mesh axes of activation_stage."""
-  axes = sharding.logical_to_mesh_spec((ct.STAGE,), config)[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  sizes = dict(zip(config.mesh_axes, config.mesh_shape, strict=True))
-  return math.prod(sizes[axis] for axis in axes)
+  sizes = sharding.axis_sizes(config)
+  return math.prod(sizes[axis] for axis in sharding.mesh_axes_of(ct.STAGE, config))
 
 
 def runs(config: Config, mesh, model_mode: str) -> bool:
