@@ -130,14 +130,18 @@ def _pipelined(config: Config, mesh, block: nn.Module, params, x, segment_ids, p
     state, buffer = carry
     item = t - stages  # [S]: the item each stage works on
     micro, repeat = item % m, jnp.clip(item // m, 0, r - 1)
-    state = sharding.constrain(state.at[0].set(buffer[t % m]), state_axes, mesh, config)
+    # The buffer is read and written by a one-hot select over its microbatch dimension, which every device does on
+    # its own rows: XLA partitioned a dynamic slice or update of it by first gathering the buffer's rows from every
+    # device (on llama3.1-405b over 128 chips, 32 GiB per device per iteration).
+    state = state.at[0].set(_pick(buffer, t % m))
+    state = sharding.constrain(state, state_axes, mesh, config)
     keys = None if rng is None else jax.vmap(lambda i: jax.random.fold_in(rng, i))(t * s + stages)
     out, sown = vmapped(stage_params, repeat, state, segs[micro], poss[micro], keys, layer_of_stage)
     out = sharding.constrain(out, state_axes, mesh, config)
     last = t - (s - 1)  # the item stage S-1 finished: stored for its microbatch (read back by stage 0)
-    slot = jnp.clip(last, 0, m * r - 1) % m
     done = (last >= 0) & (last < m * r)
-    buffer = buffer.at[slot].set(jnp.where(done, out[s - 1], buffer[slot]))
+    slot = (jnp.arange(m) == last % m) & done
+    buffer = jnp.where(_along(slot, buffer.ndim), out[s - 1][None], buffer)
     valid = (item >= 0) & (item < m * r)
     return (jnp.roll(out, 1, axis=0), buffer), (sown, valid, repeat)  # roll: each output moves one stage on
 
@@ -152,13 +156,18 @@ def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):
   if layer_of_stage.shape[0] == 1:
     p = jax.tree_util.tree_map(lambda a: a[0], p)
   else:
-    # The repeat's weights as a one-hot weighted sum, elementwise (exact: one term is the weight, the others 0; a
-    # dot could round float32 weights to bfloat16 on TPU): a dynamic index would be a gather over the vmapped
-    # stages, which XLA partitions by gathering the FSDP-sharded weights whole.
-    one_hot = jax.nn.one_hot(repeat, layer_of_stage.shape[0], dtype=jnp.bool_)
-    p = jax.tree_util.tree_map(lambda a: jnp.sum(jnp.where(_along(one_hot, a.ndim), a, 0), axis=0).astype(a.dtype), p)
+    # The repeat's weights by a one-hot sum (exact; a dot could round float32 weights to bfloat16 on TPU): a
+    # dynamic index would be a gather over the vmapped stages, which XLA partitions by gathering the FSDP-sharded
+    # weights whole.
+    p = jax.tree_util.tree_map(lambda a: _pick(a, repeat), p)
   indices = jax.lax.dynamic_index_in_dim(layer_of_stage, repeat, 0, keepdims=False)
   return apply_layers(block, p, x, seg, pos, indices, key)
+
+
+def _pick(a: jax.Array, i) -> jax.Array:
+  """a[i] along the first axis, as a one-hot sum (exact: one term is a[i], the others 0)."""
+  one_hot = jnp.arange(a.shape[0]) == i
+  return jnp.sum(jnp.where(_along(one_hot, a.ndim), a, 0), axis=0).astype(a.dtype)
 
 
 def _along(v: jax.Array, ndim: int) -> jax.Array:
