@@ -133,15 +133,14 @@ def _pipelined(config: Config, mesh, block: nn.Module, params, x, segment_ids, p
     # The buffer is read and written by a one-hot select over its microbatch dimension, which every device does on
     # its own rows: XLA partitioned a dynamic slice or update of it by first gathering the buffer's rows from every
     # device (on llama3.1-405b over 128 chips, 32 GiB per device per iteration).
-    state = state.at[0].set(_pick(buffer, t % m))
+    state = state.at[0].set(_pick(buffer, jnp.arange(m) == t % m))
     state = sharding.constrain(state, state_axes, mesh, config)
     keys = None if rng is None else jax.vmap(lambda i: jax.random.fold_in(rng, i))(t * s + stages)
     out, sown = vmapped(stage_params, repeat, state, segs[micro], poss[micro], keys, layer_of_stage)
     out = sharding.constrain(out, state_axes, mesh, config)
     last = t - (s - 1)  # the item stage S-1 finished: stored for its microbatch (read back by stage 0)
     done = (last >= 0) & (last < m * r)
-    slot = (jnp.arange(m) == last % m) & done
-    buffer = jnp.where(_along(slot, buffer.ndim), out[s - 1][None], buffer)
+    buffer = _put(buffer, out[s - 1], (jnp.arange(m) == last % m) & done)
     valid = (item >= 0) & (item < m * r)
     return (jnp.roll(out, 1, axis=0), buffer), (sown, valid, repeat)  # roll: each output moves one stage on
 
@@ -159,15 +158,47 @@ def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):
     # The repeat's weights by a one-hot sum (exact; a dot could round float32 weights to bfloat16 on TPU): a
     # dynamic index would be a gather over the vmapped stages, which XLA partitions by gathering the FSDP-sharded
     # weights whole.
-    p = jax.tree_util.tree_map(lambda a: _pick(a, repeat), p)
+    p = jax.tree_util.tree_map(lambda a: _pick(a, jnp.arange(layer_of_stage.shape[0]) == repeat), p)
   indices = jax.lax.dynamic_index_in_dim(layer_of_stage, repeat, 0, keepdims=False)
   return apply_layers(block, p, x, seg, pos, indices, key)
 
 
-def _pick(a: jax.Array, i) -> jax.Array:
-  """a[i] along the first axis, as a one-hot sum (exact: one term is a[i], the others 0)."""
-  one_hot = jnp.arange(a.shape[0]) == i
+# Selection by a one-hot mask [n] along the first axis, elementwise. Their VJPs keep only the mask for the backward
+# pass: differentiated as plain jnp.where, each iteration kept the mask broadcast to the buffer's shape (on
+# llama3.1-405b's circular schedule, two 16 GiB boolean stacks per device).
+@jax.custom_vjp
+def _pick(a: jax.Array, one_hot: jax.Array) -> jax.Array:
+  """a[i] for the one i set in one_hot, as a masked sum (exact: one term is a[i], the others 0)."""
   return jnp.sum(jnp.where(_along(one_hot, a.ndim), a, 0), axis=0).astype(a.dtype)
+
+
+def _pick_fwd(a, one_hot):
+  return _pick(a, one_hot), one_hot
+
+
+def _pick_bwd(one_hot, g):
+  return jnp.where(_along(one_hot, g.ndim + 1), g[None], 0).astype(g.dtype), None
+
+
+_pick.defvjp(_pick_fwd, _pick_bwd)
+
+
+@jax.custom_vjp
+def _put(a: jax.Array, row: jax.Array, one_hot: jax.Array) -> jax.Array:
+  """a with a[i] = row for the i set in one_hot (a unchanged when none is)."""
+  return jnp.where(_along(one_hot, a.ndim), row[None], a)
+
+
+def _put_fwd(a, row, one_hot):
+  return _put(a, row, one_hot), one_hot
+
+
+def _put_bwd(one_hot, g):
+  mask = _along(one_hot, g.ndim)
+  return jnp.where(mask, 0, g), jnp.sum(jnp.where(mask, g, 0), axis=0).astype(g.dtype), None
+
+
+_put.defvjp(_put_fwd, _put_bwd)
 
 
 def _along(v: jax.Array, ndim: int) -> jax.Array:

@@ -5,6 +5,7 @@ same parameters and batch on one device without a mesh (no pipeline).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -133,3 +134,26 @@ def test_bubble_fraction():
   cfg = config(*EIGHT_LAYERS, "ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=2", num_devices=8)
   assert (cfg.num_pipeline_repeats, cfg.num_pipeline_microbatches) == (1, 4)
   assert pipeline.bubble_fraction(cfg) == 3 / 7
+
+
+@pytest.mark.parametrize("i", [0, 2, None])
+def test_one_hot_pick_and_put_equal_indexing_with_their_gradients(i):
+  """The buffer's and the repeats' selection (custom VJPs) against a[i] and a.at[i].set(row); None: no slot set."""
+  a = jax.random.normal(jax.random.key(0), (3, 4, 5))
+  row = jax.random.normal(jax.random.key(1), (4, 5))
+  weights = jax.random.normal(jax.random.key(2), (3, 4, 5))
+  one_hot = jnp.arange(3) == (-1 if i is None else i)
+
+  def put(a, row):
+    return jnp.sum(jnp.sin(pipeline._put(a, row, one_hot)) * weights)
+
+  def put_reference(a, row):
+    return jnp.sum(jnp.sin(a if i is None else a.at[i].set(row)) * weights)
+
+  np.testing.assert_array_equal(put(a, row), put_reference(a, row))
+  for got, want in zip(jax.grad(put, (0, 1))(a, row), jax.grad(put_reference, (0, 1))(a, row), strict=True):
+    np.testing.assert_array_equal(got, want)
+  if i is not None:
+    np.testing.assert_array_equal(pipeline._pick(a, one_hot), a[i])
+    got = jax.grad(lambda a: jnp.sum(jnp.sin(pipeline._pick(a, one_hot)) * weights[0]))(a)
+    np.testing.assert_array_equal(got, jax.grad(lambda a: jnp.sum(jnp.sin(a[i]) * weights[0]))(a))
