@@ -114,7 +114,11 @@ class Transformer(nn.Module):
     # even across devices); the activations return to the natural order before the output head.
     balanced = context_parallel.reorders(cfg, self.mesh, mode)
     if balanced:
-      tokens, segment_ids, positions = (self._reorder(a, (ct.BATCH, ct.LENGTH)) for a in (tokens, segment_ids, positions))
+      # One reorder for the three (stacked): as three, XLA's CPU runtime could start the embedding's all-gather on
+      # some devices before the others had finished the last reorder's collective permutes, and hang.
+      ids = (tokens, segment_ids, positions)
+      stacked = self._reorder(jnp.stack([a.astype(jnp.int32) for a in ids], axis=-1), (ct.BATCH, ct.LENGTH, None))
+      tokens, segment_ids, positions = (stacked[..., i].astype(a.dtype) for i, a in enumerate(ids))
       if input_embeddings is not None:
         input_embeddings = self._reorder(input_embeddings, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED))
     embed = Embed(cfg, name="token_embedder")
