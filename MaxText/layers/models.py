@@ -116,6 +116,7 @@ class Transformer(nn.Module):
     if balanced:
       # One reorder for the three (stacked): as three, XLA's CPU runtime could start the embedding's all-gather on
       # some devices before the others had finished the last reorder's collective permutes, and hang.
+      # (int32: one dtype to stack; ids and positions fit it.)
       ids = (tokens, segment_ids, positions)
       stacked = self._reorder(jnp.stack([a.astype(jnp.int32) for a in ids], axis=-1), (ct.BATCH, ct.LENGTH, None))
       tokens, segment_ids, positions = (stacked[..., i].astype(a.dtype) for i, a in enumerate(ids))
