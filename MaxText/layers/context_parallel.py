@@ -108,11 +108,25 @@ def reorder(x: jax.Array, logical_axes, config: Config, mesh: Mesh, inverse: boo
   def per_device(x):
     halves = jnp.split(x, 2, axis=1)
     out = [jnp.zeros_like(halves[0]), jnp.zeros_like(halves[1])]
-    for (src_half, dst_half), pairs in moves.items():
-      out[dst_half] = out[dst_half] + jax.lax.ppermute(halves[src_half], axes, pairs)
+    received = _permute_in_turn([halves[src] for src, _ in moves], axes, list(moves.values()))
+    for (_, dst_half), piece in zip(moves, received, strict=True):
+      out[dst_half] = out[dst_half] + piece
     return jnp.concatenate(out, axis=1)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(x)
+
+
+def _permute_in_turn(xs, axes, pairs, after=None):
+  """[ppermute(x, axes, p) for x, p in zip(xs, pairs)], each waiting (an optimization barrier) for the one before,
+  the first for `after` if given, so that every device runs them in the same order: JAX gives all these collective
+  permutes one channel, and XLA's CPU runtime, free to run independent ones in any order on each device, could
+  hang."""
+  out = []
+  for x, p in zip(xs, pairs, strict=True):
+    ready = x if after is None else jax.lax.optimization_barrier((x, after))[0]
+    after = jax.lax.ppermute(ready, axes, p)
+    out.append(after)
+  return out
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -213,7 +227,7 @@ def _ring_forward(q, k, v, segment_ids, positions, window, axes, n, balanced, bl
 
   def step(carry, s):
     out, lse, kv = carry
-    following = jax.lax.ppermute(kv, axes, ring)  # issued first: the transfer overlaps this step's compute
+    following = tuple(_permute_in_turn(kv, axes, [ring] * 4))  # issued first: the transfer overlaps this step's compute
     k_s, v_s, seg_s, pos_s = kv
     keys = ak.Tokens(seg_s, pos_s, piece_index(n, (rank - s) % n, piece, balanced))
     out_s, lse_s = ak.blockwise_forward(q, k_s, v_s, queries, keys, window, block_q, block_kv, cap, precision, has_window)
@@ -257,13 +271,13 @@ def _ring_bwd(axes, n, balanced, block_q, block_kv, cap, precision, has_window, 
 
   def step(carry, s):
     dq, kv, dk, dv = carry
-    following = jax.lax.ppermute(kv, axes, ring)
+    following = tuple(_permute_in_turn(kv, axes, [ring] * 4))
     k_s, v_s, seg_s, pos_s = kv
     keys = ak.Tokens(seg_s, pos_s, piece_index(n, (rank - s) % n, piece, balanced))
     dq_s, dk_s, dv_s = ak.blockwise_backward(
       q, k_s, v_s, queries, keys, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window
     )
-    dk, dv = jax.lax.ppermute((dk + dk_s, dv + dv_s), axes, ring)
+    dk, dv = _permute_in_turn([dk + dk_s, dv + dv_s], axes, [ring] * 2, after=following[-1])
     return (dq + dq_s, following, dk, dv), None
 
   zeros = jnp.zeros(k.shape, jnp.float32)

@@ -16,6 +16,12 @@ MESHES = {
   "fsdp=8": ("ici_fsdp_parallelism=8",),
   "fsdp=4,tensor=2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
   "fsdp=2,sequence=2,tensor=2": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
+  "fsdp=2,context=2,tensor=2 ring": (
+    "ici_fsdp_parallelism=2",
+    "ici_context_parallelism=2",
+    "ici_tensor_parallelism=2",
+    "context_parallel_strategy=ring",
+  ),
 }
 COMMON = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "base_output_directory=/tmp/unused")
 
