@@ -169,7 +169,7 @@ def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):
 @jax.custom_vjp
 def _pick(a: jax.Array, one_hot: jax.Array) -> jax.Array:
   """a[i] for the one i set in one_hot, as a masked sum (exact: one term is a[i], the others 0)."""
-  return jnp.sum(jnp.where(_along(one_hot, a.ndim), a, 0), axis=0).astype(a.dtype)
+  return jnp.sum(jnp.where(_along(one_hot, a.ndim), a, 0), axis=0)
 
 
 def _pick_fwd(a, one_hot):
@@ -177,7 +177,7 @@ def _pick_fwd(a, one_hot):
 
 
 def _pick_bwd(one_hot, g):
-  return jnp.where(_along(one_hot, g.ndim + 1), g[None], 0).astype(g.dtype), None
+  return jnp.where(_along(one_hot, g.ndim + 1), g[None], 0), None
 
 
 _pick.defvjp(_pick_fwd, _pick_bwd)
@@ -195,7 +195,7 @@ def _put_fwd(a, row, one_hot):
 
 def _put_bwd(one_hot, g):
   mask = _along(one_hot, g.ndim)
-  return jnp.where(mask, 0, g), jnp.sum(jnp.where(mask, g, 0), axis=0).astype(g.dtype), None
+  return jnp.where(mask, 0, g), jnp.sum(jnp.where(mask, g, 0), axis=0), None
 
 
 _put.defvjp(_put_fwd, _put_bwd)
