@@ -280,15 +280,23 @@ class Profiler:
       jax.profiler.stop_trace()
 
 
+class WriteError(OSError):
+  """A metrics output (TensorBoard's events, metrics_file) could not be written; the message says which and why."""
+
+
 class MetricWriter:
   """Writes one record per logged step to TensorBoard, `metrics_file` and, with gcs_metrics=true (MaxText's key),
-  {run_dir}/metrics/metrics.jsonl (process 0 only). Any of them may be on a bucket (storage.AppendedText)."""
+  {run_dir}/metrics/metrics.jsonl (process 0 only). Any of them may be on a bucket (storage.AppendedText).
+
+  A write that fails (a full disk) raises WriteError naming the output, once: the writer is then broken, and its
+  later writes and its close do nothing, so the run's own error line is not buried under the same failure again."""
 
   def __init__(self, config: Config, run_dir: str):
     self.config = config
     self.is_main = jax.process_index() == 0
     self.tensorboard = None
     self.files = []
+    self.broken = False
     if not self.is_main:
       return
     if config.enable_tensorboard:
@@ -297,37 +305,60 @@ class MetricWriter:
       except ImportError:
         print("warning: tensorboardX is not installed; set enable_tensorboard=false to silence this", flush=True)
       else:
-        self.tensorboard = SummaryWriter(storage.join(run_dir, "tensorboard"))
+        with self._writing("TensorBoard events in", storage.join(run_dir, "tensorboard")):
+          self.tensorboard = SummaryWriter(storage.join(run_dir, "tensorboard"))
     paths = [config.metrics_file] if config.metrics_file else []
     if config.gcs_metrics:
       paths.append(metrics_path(run_dir))
-    self.files = [storage.AppendedText(path) for path in paths]
+    for path in paths:
+      with self._writing("metrics to", path):
+        self.files.append(storage.AppendedText(path))
+
+  @contextlib.contextmanager
+  def _writing(self, what: str, path: str):
+    try:
+      yield
+    except OSError as e:
+      self.broken = True
+      reason = e.strerror or str(e).splitlines()[0][:200]
+      raise WriteError(f"cannot write {what} {path}: {reason}; free space (or fix the path), then run again") from None
 
   def write_goodput(self, step: int, report: dict[str, float]) -> None:
     """The run's goodput report: scalars at its last step in TensorBoard, a {"goodput": ...} line in the file."""
-    if not self.is_main:
+    if not self.is_main or self.broken:
       return
     if self.tensorboard is not None:
       for name, value in report.items():
         self.tensorboard.add_scalar(name, value, step)
+    line = json.dumps({"goodput": {k.removeprefix("goodput/"): v for k, v in report.items()}})
     for file in self.files:
-      file.write_line(json.dumps({"goodput": {k.removeprefix("goodput/"): v for k, v in report.items()}}))
+      with self._writing("metrics to", file.path):
+        file.write_line(line)
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
-    if not self.is_main:
+    if not self.is_main or self.broken:
       return
     if self.tensorboard is not None:
       for name, value in scalars.items():
         if value is not None:
           self.tensorboard.add_scalar(name, value, step)
     for file in self.files:
-      file.write_line(json.dumps({"step": step, **scalars}))
+      with self._writing("metrics to", file.path):
+        file.write_line(json.dumps({"step": step, **scalars}))
 
   def close(self) -> None:
-    if self.tensorboard is not None:
-      self.tensorboard.close()
-    for file in self.files:
-      file.close()
+    """Flushes and closes every output; after a failed write only releases them (a flush would fail again)."""
+    outputs = [("TensorBoard events in", self.tensorboard.logdir, self.tensorboard)] if self.tensorboard else []
+    outputs += [("metrics to", file.path, file) for file in self.files]
+    error = None
+    for what, path, output in outputs:
+      try:
+        with contextlib.suppress(OSError) if self.broken else self._writing(what, path):
+          output.close()
+      except WriteError as e:  # The other outputs are still closed (quietly: the writer is broken now).
+        error = e
+    if error is not None:
+      raise error
 
 
 def metrics_path(run_dir: str) -> str:

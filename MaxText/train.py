@@ -18,6 +18,7 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import types  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -27,6 +28,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+import yaml  # noqa: E402
 from flax import traverse_util  # noqa: E402
 
 from MaxText import checkpointing, cli, compiled_step, input_pipeline, lora, metrics, optimizers, sharding, storage  # noqa: E402
@@ -438,10 +440,13 @@ def _full_disk_stops_the_run(config: Config, layout: state_lib.StateLayout):
   step). Orbax writes into a temporary folder, so earlier checkpoints stay intact."""
   try:
     yield
+  except metrics.WriteError as e:  # TensorBoard's events or the metrics file.
+    raise TrainingError(str(e)) from None
   except Exception as e:
-    if not checkpointing.out_of_space(e) or storage.is_remote(checkpointing.checkpoint_dir(config)):
+    directory = checkpointing.checkpoint_dir(config)
+    if not checkpointing.out_of_space(e) or storage.is_remote(directory) or not os.path.isdir(directory):
       raise
-    free = shutil.disk_usage(checkpointing.checkpoint_dir(config)).free
+    free = shutil.disk_usage(directory).free
     raise TrainingError(_full_disk(config, _checkpoint_bytes(config, layout.abstract), free)) from None
 
 
@@ -538,6 +543,10 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
       checkpointing.restore_data(config, manager, first_step, data)
   for damaged in start.skipped:
     cli.log(f"skipped: {damaged}")
+  if start.resumed:
+    warning = _schedule_change(config, schedule, first_step)
+    if warning:
+      cli.log(warning)
   cli.write_resolved_config(config, checkpointing.run_dir(config))
   num_params = metrics.count_params(layout.abstract.params)
   origin = start.source if start.resumed else f"starting from {start.source}"
@@ -560,6 +569,34 @@ def _prepare(config: Config, mesh, manager, *, model, schedule, tx, layout: stat
     first_step=first_step,
     data=data,
     resumed=start.resumed,
+  )
+
+
+def _schedule_change(config: Config, schedule: optax.Schedule, first_step: int) -> str | None:
+  """A warning line when a resumed run's learning-rate schedule differs from the one it last ran with (the run's
+  config.yml, written at each start): extending `steps` stretches the schedule, so the rate jumps."""
+  path = storage.join(checkpointing.run_dir(config), "config.yml")
+  try:
+    earlier = yaml.safe_load(storage.read_text(path)) if storage.isfile(path) else None
+  except (OSError, yaml.YAMLError):
+    return None
+  read = (*optimizers.SCHEDULE_KEYS, "warmup_steps")
+  if not isinstance(earlier, dict) or any(key not in earlier for key in read):
+    return None
+  changed = [key for key in optimizers.SCHEDULE_KEYS if earlier[key] != getattr(config, key)]
+  if not changed:
+    return None
+  # The earlier schedule as this run would follow it (with its steps): what passing the earlier values gives.
+  before = optimizers.learning_rate_schedule(
+    types.SimpleNamespace(**{key: earlier[key] for key in read}, steps=config.steps)
+  )
+  last = first_step - 1
+  return (
+    f"warning: the learning-rate schedule differs from this run's last start "
+    f"({', '.join(f'{key} {earlier[key]} -> {getattr(config, key)}' for key in changed)}): the rate was "
+    f"{float(before(last)):.3e} at step {last} and is now {float(schedule(first_step)):.3e} at step {first_step}, "
+    f"where the earlier schedule gives {float(before(first_step)):.3e}; to keep the earlier schedule, pass "
+    f"{' '.join(f'{key}={earlier[key]}' for key in changed)}"
   )
 
 
@@ -593,12 +630,13 @@ def _loop(run: Run) -> TrainSummary:
   summary = TrainSummary(first_step=run.first_step)
   batch, completed = None, run.first_step
   stop = StopRequest()
+  failed = True
   try:
     for step in range(run.first_step, config.steps):
       profiler.before_step(step)
       if batch is None or config.reuse_example_batch <= 0:  # reuse_example_batch: benchmark on one batch.
         with goodput.waiting("data"):
-          batch = next(run.data)
+          batch = _next_batch(run, stop, state, completed)
       state, step_metrics = run.step(state, batch)
       completed = step + 1
       if manager is not None:
@@ -629,6 +667,7 @@ def _loop(run: Run) -> TrainSummary:
         raise TrainingError(
           f"{what} ({signal_name}) after step {step}; checkpoint {completed} is saved: run the same command again to resume"
         )
+    failed = False
   finally:
     stop.restore()
     try:
@@ -637,22 +676,53 @@ def _loop(run: Run) -> TrainSummary:
           manager.wait_until_finished()  # The save in flight completes (before a stop, too), or its error is raised.
     finally:
       summary.goodput = goodput.report()
-      writer.write_goodput(completed, summary.goodput)
-      writer.close()
+      # A run that failed reports its own error: a metrics write failing now (the same full disk) would replace it.
+      with contextlib.suppress(metrics.WriteError) if failed else contextlib.nullcontext():
+        try:
+          writer.write_goodput(completed, summary.goodput)
+        finally:
+          writer.close()
       cli.log(metrics.format_goodput(summary.goodput))
   return _finish(summary, config, clock)
+
+
+def _next_batch(run: Run, stop: "StopRequest", state: state_lib.TrainState, completed: int) -> dict:
+  """The next training batch. A wait for data may never end by itself (a stalled bucket or data loader), so a
+  SIGTERM or SIGINT during it stops the run there: the steps completed since the last save are saved, with the
+  data position from before the wait, and the run exits with the line on how to resume."""
+  position = run.data.get_state() if run.manager is not None and completed > run.first_step else None
+  try:
+    with stop.interrupting():
+      return next(run.data)
+  except StopRequest.Interrupted:
+    what = "preempted" if stop.signal_name == "SIGTERM" else "interrupted"
+    where = f"{what} ({stop.signal_name}) while waiting for the data of step {completed}"
+    if position is None:
+      latest = run.manager.latest_step() if run.manager is not None else None
+      kept = f"checkpoint {latest} is the latest" if latest is not None else "no checkpoint is saved"
+      raise TrainingError(f"{where}; {kept}: run the same command again to resume") from None
+    data_state = None if run.config.dataset_type == "synthetic" else position
+    _check_room(run.config, run.manager, state)
+    checkpointing.save(run.manager, state, data_state)
+    run.manager.wait_until_finished()
+    raise TrainingError(f"{where}; checkpoint {completed} is saved: run the same command again to resume") from None
 
 
 class StopRequest:
   """SIGTERM (a preemption or maintenance notice) or SIGINT (Ctrl-C) to a single-process run: the step in
   progress finishes, a checkpoint is saved, the save in flight completes, and the run exits with a line on how
-  to resume. A second SIGINT interrupts at once. In a multi-process job nothing is taken here: JAX's preemption
+  to resume. Within `interrupting()` (a wait for data) the signal raises Interrupted at once instead. A second
+  SIGINT interrupts at once. In a multi-process job nothing is taken here: JAX's preemption
   service turns a SIGTERM to any process into a save by all of them (checkpointing.reached_preemption), and a
   save by one process alone would wait forever for the others, so SIGINT stops that process (cli.run_cli)."""
+
+  class Interrupted(Exception):
+    """A signal arrived within interrupting()."""
 
   def __init__(self):
     self.signal_name: str | None = None
     self._previous = {}
+    self._interrupting = False
     if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
       return  # Python delivers signals to the main thread only.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -661,6 +731,19 @@ class StopRequest:
   def _handle(self, signum, frame):
     self.signal_name = signal.Signals(signum).name
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if self._interrupting:
+      raise StopRequest.Interrupted(self.signal_name)
+
+  @contextlib.contextmanager
+  def interrupting(self):
+    """Within: a signal (or one that came just before) raises Interrupted, ending a blocking wait."""
+    if self.signal_name is not None:
+      raise StopRequest.Interrupted(self.signal_name)
+    self._interrupting = True
+    try:
+      yield
+    finally:
+      self._interrupting = False
 
   def restore(self):
     for sig, handler in self._previous.items():

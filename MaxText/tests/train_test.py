@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -481,3 +482,93 @@ def test_goodput_accounts_for_the_wall_time_and_the_steps_trained_again(tmp_path
   cut = lines.index('{"step": 7, "learning/lo')  # ended by the resumed run, whose records follow, one per line
   after = [json.loads(line) for line in lines[cut + 1 :]]
   assert after[0]["step"] == 4 and after[-2]["step"] == 7 and "goodput" in after[-1]
+
+
+def test_resuming_with_another_schedule_says_how_the_rate_changes(tmp_path, capsys):
+  """Extending `steps` stretches the cosine schedule (learning_rate_schedule_steps follows steps): the resumed run
+  says so, with the rates of the cited formula (optimizers.learning_rate_schedule); the same schedule says nothing."""
+  common = ("run_name=r", f"base_output_directory={tmp_path}", "enable_checkpointing=true", "warmup_steps_fraction=0")
+  assert train.main(["train.py", BASE_YML, *overrides_of(*common, "steps=2")]) == 0
+  capsys.readouterr()
+  assert train.main(["train.py", BASE_YML, *overrides_of(*common, "steps=4")]) == 0
+  out = capsys.readouterr().out
+  peak, final = 3e-4, 3e-5  # base.yml's learning_rate and learning_rate_final_fraction x it
+
+  def cosine(step, total):  # half a cosine from the peak at step 0 to the final rate at step total - 1
+    weight = 0.5 * (np.cos(np.pi * step / (total - 1)) + 1)
+    return peak * weight + final * (1 - weight)
+
+  assert (
+    "warning: the learning-rate schedule differs from this run's last start (learning_rate_schedule_steps 2 -> 4): "
+    f"the rate was {cosine(1, 2):.3e} at step 1 and is now {cosine(2, 4):.3e} at step 2, where the earlier schedule "
+    f"gives {0.0:.3e}; to keep the earlier schedule, pass learning_rate_schedule_steps=2"
+  ) in out, out
+  assert train.main(["train.py", BASE_YML, *overrides_of(*common, "steps=6", "learning_rate_schedule_steps=4")]) == 0
+  assert "resumed from" in (out := capsys.readouterr().out) and "schedule differs" not in out, out
+
+
+class _Stalls:
+  """A training iterator that stops yielding before batch `at` (a stalled bucket or loader) and has a SIGTERM
+  sent to this process once it waits."""
+
+  def __init__(self, iterator, at: int):
+    self.iterator, self.at, self.given = iterator, at, 0
+
+  def __next__(self):
+    if self.given == self.at:
+      threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+      threading.Event().wait(60)
+      raise AssertionError("the wait for data was not interrupted")
+    self.given += 1
+    return next(self.iterator)
+
+  def get_state(self):
+    return self.iterator.get_state()
+
+  def set_state(self, state):
+    self.iterator.set_state(state)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_path, capsys, monkeypatch):
+  """A wait for data that never ends is cut short by SIGTERM: the steps done are saved with the data position
+  from before the wait, exit 1 with one line; the same command then resumes with the uninterrupted losses."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  from MaxText import input_pipeline, train_tokenizer
+  from MaxText.tests.input_pipeline_test import _english
+
+  documents = _english(200)
+  os.makedirs(tmp_path / "data")
+  writer = ArrayRecordWriter(str(tmp_path / "data" / "train.array_record"), "group_size:1")
+  for doc in documents:
+    writer.write(doc.encode("utf-8"))
+  writer.close()
+  train_tokenizer.train(documents, vocab_size=400, output=str(tmp_path / "tok.model"))
+  common = (
+    "dataset_type=grain", f"grain_train_files={tmp_path}/data/*", f"tokenizer_path={tmp_path}/tok.model",
+    "vocab_size=512", "override_model_config=true", "per_device_batch_size=2", "steps=6", "log_period=1",
+    "checkpoint_period=100", "enable_checkpointing=true", f"base_output_directory={tmp_path}",
+  )  # fmt: skip
+  assert (
+    train.main(["train.py", BASE_YML, *overrides_of(*common, "run_name=straight", f"metrics_file={tmp_path}/a.jsonl")]) == 0
+  )
+  straight = {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "a.jsonl")}
+  assert sorted(straight) == list(range(6))
+  stalled = (*common, "run_name=stalled", f"metrics_file={tmp_path}/b.jsonl")
+
+  real = input_pipeline.create_iterator
+  monkeypatch.setattr(input_pipeline, "create_iterator", lambda *a, **k: _Stalls(real(*a, **k), at=3))
+  capsys.readouterr()
+  assert train.main(["train.py", BASE_YML, *overrides_of(*stalled)]) == 1
+  err = capsys.readouterr().err
+  assert err == (
+    "error: preempted (SIGTERM) while waiting for the data of step 3; checkpoint 3 is saved: run the same command "
+    "again to resume\n"
+  ), err
+  assert os.listdir(tmp_path / "stalled" / "checkpoints") == ["3"]
+
+  monkeypatch.undo()
+  assert train.main(["train.py", BASE_YML, *overrides_of(*stalled)]) == 0
+  assert f"resumed from {tmp_path}/stalled/checkpoints/3" in capsys.readouterr().out
+  assert {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "b.jsonl")} == straight
