@@ -8,6 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+# The test stack is not part of the runtime that `bash setup.sh` installs.
+if ! "$PYTHON" -c "import pytest, xdist, ruff" 2>/dev/null; then
+  echo "error: the tests and lint tools are not installed in $PYTHON; run: bash setup.sh --dev" >&2
+  exit 2
+fi
 LINTED=(MaxText end_to_end multihost_runner.py multihost_job.py MaxText/tests/fake_cloud/gcloud MaxText/tests/fake_cloud/gsutil)
 "$PYTHON" -m ruff format --check "${LINTED[@]}"
 "$PYTHON" -m ruff check "${LINTED[@]}"

@@ -31,6 +31,13 @@ from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
 from MaxText.layers import pipeline  # noqa: E402
 
+_START = time.monotonic()  # Reading the clock, nothing more: the phases' lines count from here.
+
+
+def _phase(what: str) -> None:
+  """One line as each phase starts, with the seconds since the start: compiling a large step takes minutes."""
+  cli.log(f"[{time.monotonic() - _START:6.1f} s] {what}")
+
 
 def load_config(argv) -> Config:
   """The config finalized for compile_topology's devices (hardware=tpu), or for this host's when it is empty."""
@@ -41,6 +48,7 @@ def load_config(argv) -> Config:
       raise ConfigError(f"compile_topology_num_slices={slices} needs a compile_topology, e.g. compile_topology=v5e-256")
     return cli.load_config(argv)  # This host's devices, set up as for train.py.
   jax.config.update("jax_platforms", "cpu")  # The slice's devices come from libtpu; JAX itself stays on the CPU.
+  _phase(f"building the topology {values['compile_topology']} x {slices} slice(s) (libtpu)")
   devices = _topology_devices(values["compile_topology"], slices)
   # Hardware-dependent choices (attention kernels, ...) follow the mesh's devices; hardware=tpu says so too.
   return pyconfig.finalize({**values, "hardware": "tpu"}, num_devices=len(devices), num_slices=slices)
@@ -69,9 +77,12 @@ def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_st
     devices = jax.devices()
     chip = devices[0].device_kind
     target = f"this host ({len(devices)} x {chip})"
+  _phase(f"building the mesh, the model and the state's layout for {target}")
   mesh, model, schedule, tx, layout = train.build(config, devices)
   start = time.time()
+  _phase("lowering the train step")
   lowered = train.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout).lower()
+  _phase("compiling the train step (XLA)")
   try:
     compiled = train.compile_step(lowered, mesh)
   except jax.errors.JaxRuntimeError as e:
@@ -79,7 +90,11 @@ def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_st
     if needed is None:
       raise
     raise TrainingError(compiled_step.does_not_fit_line(*needed, chip, config)) from None
-  return compiled, compiled_step.report(compiled, config, mesh, target, chip, time.time() - start), mesh
+  seconds = time.time() - start
+  _phase("memory and cost analysis of the compiled step")
+  report = compiled_step.report(compiled, config, mesh, target, chip, seconds)
+  _phase("done")
+  return compiled, report, mesh
 
 
 def _main(config: Config) -> None:

@@ -1,0 +1,294 @@
+"""Every end_to_end/ script README.md links runs here in its short mode (`--quick` or a steps-like knob), and its
+output is checked, so none of them can rot unseen.
+
+The scripts are found in README.md itself: a newly linked script must get a short mode and a case in SHORT_MODES,
+or a line in NOT_HERE saying why it cannot run on a CI machine. Each check reads figures the script printed and
+compares them with what they must be (exp(loss) against the printed perplexity, the printed difference against
+the printed losses, the accuracy counts against the held-out files), not just its exit code. All short modes
+together took 1 min 51 s on 2 CPU cores (the whole file, 2026-11-26, load average about 2 from other work;
+each case's time is in its docstring).
+"""
+
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from MaxText.tests.helpers import REPO_ROOT
+
+DEMO_DIR = os.path.expanduser("~/maxtext_data/demo")
+NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
+
+# Linked scripts that cannot run on a CI machine (2 CPU cores, no GPU, no SLURM), and why.
+NOT_HERE = {
+  "end_to_end/gpu/train_slurm.sbatch": "needs a SLURM cluster with GPUs; end_to_end/slurm_loopback.sh submits it to a "
+  "one-node cluster on loopback",
+  "end_to_end/slurm_loopback.sh": "needs Debian's slurm-wlm and munge (apt-get) and root, which CI does not install "
+  "(it runs in about 60 s where they are)",
+}
+
+
+def linked_scripts() -> set[str]:
+  """The files under end_to_end/ that README.md names (folders such as end_to_end/gpu/ aside)."""
+  with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+    names = set(re.findall(r"end_to_end/[\w./-]*[\w]", f.read()))
+  return {n for n in names if not os.path.isdir(os.path.join(REPO_ROOT, n))}
+
+
+def run_script(args: list[str], timeout: int = 600) -> str:
+  """Runs a script from the repository root on one CPU device (not the tests' 8) and returns its output; fails with
+  the output's end when it exits non-zero."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  command = ["bash", *args] if args[0].endswith(".sh") else [sys.executable, *args]
+  proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
+  return output
+
+
+def numbers(pattern: str, text: str) -> list[tuple[float, ...]]:
+  """Every match of `pattern` (its groups are numbers) in `text`, as floats."""
+  return [tuple(float(g) for g in m) if isinstance(m, tuple) else (float(m),) for m in re.findall(pattern, text)]
+
+
+def assert_finite(*values: float) -> None:
+  assert values and all(math.isfinite(v) for v in values), values
+
+
+def png_size(path: str) -> tuple[int, int]:
+  """(width, height) from a PNG's IHDR chunk (the PNG specification, section 11.2.2)."""
+  with open(path, "rb") as f:
+    head = f.read(24)
+  assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+  return struct.unpack(">II", head[16:24])
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+  """bash end_to_end/quickstart_demo.sh --quick (about 15 s): (its output folder, its output)."""
+  if not os.path.isfile(os.path.join(DEMO_DIR, "tokenizer.model")):
+    pytest.fail(f"the demo corpus is missing from {DEMO_DIR}; bash setup.sh builds it")
+  out = str(tmp_path_factory.mktemp("quickstart"))
+  return out, run_script(["end_to_end/quickstart_demo.sh", "--quick", out])
+
+
+def check_quickstart(request, tmp_path):
+  out, text = request.getfixturevalue("quickstart")
+  (loss, perplexity, tokens), *_ = numbers(rf"eval after step 19: loss ({NUMBER}), perplexity ({NUMBER}) over (\d+)", text)
+  # The perplexity is exp(loss), printed to 2 decimals from the unrounded loss (4 printed decimals: 5e-5 of slack).
+  assert abs(math.exp(loss) - perplexity) <= 0.005 + math.exp(loss) * 6e-5, (loss, perplexity)
+  assert 0.9 * 8 * 8 * 255 <= tokens <= 8 * 8 * 255, tokens  # eval_steps=8 batches of 8 packed rows of 255 targets
+  with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
+  evals = [r for r in records if "eval/avg_loss" in r]
+  assert [r["step"] for r in evals] == [19] and abs(evals[0]["eval/avg_loss"] - loss) <= 5e-5
+  # 20 steps from a uniform guess (ln 1024 = 6.93): the script's own limit is 90% of it.
+  ((final, limit),) = numbers(rf"final eval loss ({NUMBER}) at step 19; limit 0.9 \* ln\(1024\) = ({NUMBER})", text)
+  assert abs(limit - 0.9 * math.log(1024)) < 1e-4 and final <= limit and final == pytest.approx(loss, abs=1e-4)
+  train = numbers(rf"completed step: (\d+), .*loss: ({NUMBER})", text)
+  assert [int(s) for s, _ in train][-1] == 19
+  assert_finite(*(x for _, x in train))
+  assert png_size(os.path.join(out, "loss.png")) == (700, 400)  # plot_metrics.py: figsize 7 x 4 inches at 100 dpi
+  sample = re.search(r"^Input `And God said` -> `(.*)", text, re.M)  # the text may hold newlines and backticks
+  assert sample and sample.group(1).strip("` "), text[-2000:]
+
+
+def check_plot_metrics(request, tmp_path):
+  """plot_metrics.py on the quick start's metrics file (the README's command), and its refusal of a file without
+  training losses."""
+  out, _ = request.getfixturevalue("quickstart")
+  png = str(tmp_path / "curves.png")
+  text = run_script(["end_to_end/plot_metrics.py", os.path.join(out, "metrics.jsonl"), png])
+  assert f"wrote {png}" in text and png_size(png) == (700, 400)
+  empty = tmp_path / "goodput_only.jsonl"
+  empty.write_text(json.dumps({"goodput": {"wall_seconds": 1.0}}) + "\n")
+  command = [sys.executable, "end_to_end/plot_metrics.py", str(empty), png]
+  proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+  assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def check_finetune(request, tmp_path):
+  """finetune_demo.sh --quick from the quick start's checkpoint (about 40 s)."""
+  base_run = os.path.join(request.getfixturevalue("quickstart")[0], "demo")
+  out = str(tmp_path / "finetune")
+  text = run_script(["end_to_end/finetune_demo.sh", "--quick", out, base_run])
+  with open(os.path.join(out, "data", "heldout_answers.txt"), encoding="utf-8") as f:
+    answers = f.read().splitlines()
+  with open(os.path.join(out, "data", "heldout_prompts.txt"), encoding="utf-8") as f:
+    prompts = f.read().splitlines()
+  with open(os.path.join(out, "accuracy.txt"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  stages = ["majority answers", "quick-start model", "SFT (full)", "SFT (LoRA rank 16)", "SFT (full) then DPO"]
+  assert [line[:20].strip() for line in lines] == stages, lines
+  n = len(answers)
+  assert n == len(prompts) == 110, n  # --quick: one held-out question per validation document
+  for line in lines:
+    ((right, total, percent),) = numbers(rf"exact match (\d+)/(\d+) = ({NUMBER})%", line)
+    assert total == n and 0 <= right <= n and percent == pytest.approx(100 * right / n, abs=0.05), line
+  # The majority line, recomputed from the held-out files: the most frequent answer of each kind, every time.
+  majority = 0
+  for start in ("Is this from", "Which book", "Which play"):
+    mine = [a for a, p in zip(answers, prompts, strict=True) if p.startswith(start)]
+    majority += max(mine.count(a) for a in set(mine))
+  assert numbers(r"exact match (\d+)/", lines[0]) == [(majority,)]
+  assert len(re.findall(r"^== accuracy: ", text, re.M)) == 4
+
+
+def check_long_context(request, tmp_path):
+  """long_context_cpu.sh --quick (about 25 s): its summary reads only the metrics files' step records."""
+  text = run_script(["end_to_end/long_context_cpu.sh", "--quick", str(tmp_path / "long")])
+  memory = numbers(rf"temporaries ({NUMBER}) \w+", text)
+  assert len(memory) == 3, text[-3000:]  # the three compiled variants
+  assert numbers(r"Maximum resident set size \(kbytes\): (\d+)", text)[0][0] > 0
+  flash = [float(x) for x in re.search(r"losses flash +: (.*)", text).group(1).split()]
+  dot = [float(x) for x in re.search(r"losses dot_product: (.*)", text).group(1).split()]
+  assert len(flash) == len(dot) == 4
+  assert_finite(*flash, *dot)
+  ((printed,),) = numbers(rf"largest relative difference: ({NUMBER})", text)
+  recomputed = max(abs(a - b) / abs(b) for a, b in zip(flash, dot, strict=True))
+  # The printed difference comes from the unrounded losses, these from 6 decimals: 1e-6 / loss of slack.
+  assert abs(printed - recomputed) <= 2e-6 / min(dot) + 0.01 * printed, (printed, recomputed)
+  # train_compile.py's phase lines (the last variant's log), in order, with growing elapsed seconds.
+  with open(tmp_path / "long" / "compile.log", encoding="utf-8") as f:
+    phases = re.findall(rf"^\[ *({NUMBER}) s\] (\w+)", f.read(), re.M)
+  assert [p for _, p in phases] == ["building", "lowering", "compiling", "memory", "done"], phases
+  assert [float(t) for t, _ in phases] == sorted(float(t) for t, _ in phases)
+  # float32, the same model: blockwise and dot-product attention agree to float32's rounding.
+  assert printed < 1e-4, printed
+  ((t_flash, t_dot, ratio),) = numbers(
+    rf"flash ({NUMBER}) s, dot_product ({NUMBER}) s, ratio dot_product / flash ({NUMBER})", text
+  )
+  # The times are printed to 2 decimals (0.005 s either way), the ratio from the unrounded ones (0.005 either way).
+  assert t_flash > 0 and t_dot > 0
+  assert (t_dot - 0.005) / (t_flash + 0.005) - 0.005 <= ratio <= (t_dot + 0.005) / (t_flash - 0.005) + 0.005, text
+
+
+def check_context_parallel(request, tmp_path):
+  """context_parallel_cpu.sh --quick (about 20 s): 8 simulated devices, both strategies."""
+  text = run_script(["end_to_end/context_parallel_cpu.sh", "--quick", str(tmp_path / "cp")])
+  totals = numbers(rf"total ({NUMBER}) \w+", text)
+  assert len(totals) == 3, text[-3000:]
+  losses = {}
+  for strategy in ("all_gather", "ring"):
+    steps = numbers(rf"(?m)^{strategy}: completed step: (\d+), .*loss: ({NUMBER})", text)
+    assert [int(s) for s, _ in steps] == [0, 1], (strategy, text[-3000:])
+    losses[strategy] = [x for _, x in steps]
+    assert_finite(*losses[strategy])
+  # The same model and data, attention computed in another order across the devices (README: "equal losses").
+  assert losses["ring"] == pytest.approx(losses["all_gather"], rel=1e-5)
+
+
+def check_benchmark_decode(request, tmp_path):
+  """benchmark_decode_cpu.sh --quick (about 15 s)."""
+  out = tmp_path / "decode"
+  text = run_script(["end_to_end/benchmark_decode_cpu.sh", "--quick", str(out)])
+  generated = re.search(r"^Input `I love to` -> `(.*)", text, re.M)
+  assert generated and generated.group(1).strip("` "), text[-2000:]
+  ((steps, ms, per_second),) = numbers(
+    rf"generate: (\d+) steps in {NUMBER} s, ({NUMBER}) ms per generated token, ({NUMBER}) tokens/s", text
+  )
+  assert steps == 96 - 64 - 1 and ms > 0 and per_second == pytest.approx(1000 / ms, rel=0.02)
+  with open(out / "microbenchmark.json", encoding="utf-8") as f:
+    report = json.load(f)
+  ((row,),) = [report["results"]]  # --quick: batch 1 only, prompt 64
+  assert (row["batch"], row["prefill_length"]) == (1, 64), row
+  assert row["prefill_ms"] > 0 and row["prefill_tokens_per_s"] == pytest.approx(64e3 / row["prefill_ms"], rel=1e-6)
+  assert row["loop_ms_per_step"] > 0 and row["loop_tokens_per_s"] == pytest.approx(1e3 / row["loop_ms_per_step"], rel=1e-6)
+
+
+def check_grouped_matmul(request, tmp_path):
+  """grouped_matmul_cpu.py --repeats 1 (about 4 s)."""
+  text = run_script(["end_to_end/grouped_matmul_cpu.py", "--repeats", "1"])
+  times = numbers(rf"forward +({NUMBER}) ms +forward\+backward +({NUMBER}) ms", text)
+  assert len(times) == 2 and all(t > 0 for pair in times for t in pair), text
+  ((difference, largest),) = numbers(rf"two products: ({NUMBER}) \(largest output ({NUMBER}),", text)
+  # bfloat16 outputs (8 significant bits) of float32 sums: the two products may differ by the rounding of the
+  # output, one unit in the last place (2^-8 relative) at most, plus summation order: 2^-6 of the largest output.
+  assert largest > 0 and difference <= largest * 2**-6, (difference, largest)
+
+
+def check_hf_import_memory(request, tmp_path):
+  """hf_import_memory.py --quick (about 2 s): a sharded checkpoint imported, one layer read back equal."""
+  text = run_script(["end_to_end/hf_import_memory.py", "--quick", "--workdir", str(tmp_path / "hf")])
+  ((size, shards),) = numbers(rf"checkpoint: {NUMBER} GB \((\d+) bytes\) in (\d+) shards", text)
+  assert 0 < size < 10**8 and shards > 1, text
+  ((peak, percent),) = numbers(rf"importer peak RSS: ({NUMBER}) GB = ({NUMBER})% of the checkpoint", text)
+  # The peak is printed to 2 decimals (about 0.5 GB here: 1% of it), the percentage from the unrounded figure.
+  assert peak > 0 and percent == pytest.approx(100 * peak * 1e9 / size, rel=0.02), text
+  assert "query kernel equal to the source: True" in text, text
+
+
+SHORT_MODES = {
+  "end_to_end/quickstart_demo.sh": check_quickstart,
+  "end_to_end/plot_metrics.py": check_plot_metrics,
+  "end_to_end/finetune_demo.sh": check_finetune,
+  "end_to_end/long_context_cpu.sh": check_long_context,
+  "end_to_end/context_parallel_cpu.sh": check_context_parallel,
+  "end_to_end/benchmark_decode_cpu.sh": check_benchmark_decode,
+  "end_to_end/grouped_matmul_cpu.py": check_grouped_matmul,
+  "end_to_end/hf_import_memory.py": check_hf_import_memory,
+}
+
+
+def quickstart_commands() -> list[str]:
+  """The commands of README.md's quick start (its first bash block), continuation lines joined."""
+  with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  section = text[text.index("## Quick start") :]
+  block = section[section.index("```bash\n") + 8 : section.index("```", section.index("```bash\n") + 8)]
+  return [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_readme_quick_start_plots_the_metrics_file_it_writes():
+  """The quick start's training command sets the metrics_file that its plot command reads, and its sampling is
+  greedy (the text the README shows is the one the weights give)."""
+  setup, train, plot, decode = quickstart_commands()
+  assert setup == "bash setup.sh"
+  (written,) = re.findall(r"metrics_file=(\S+)", train)
+  assert train.startswith("python3 MaxText/train.py MaxText/configs/demo.yml run_name=demo ")
+  assert plot.split()[:3] == ["python3", "end_to_end/plot_metrics.py", written], (plot, written)
+  assert decode.startswith("python3 MaxText/decode.py MaxText/configs/demo.yml run_name=demo ")
+  assert "decode_sampling_strategy=greedy" in decode
+
+
+def test_setup_and_unit_test_script_refuse_mistakes_in_one_line(tmp_path):
+  """setup.sh refuses an unknown argument and DEVICE before installing anything; unit_test_and_lint.sh without
+  pytest names the setup command that installs it."""
+  for env, args, words in (({}, ["--tests"], "--dev"), ({"DEVICE": "cuda"}, [], "DEVICE=cuda")):
+    proc = subprocess.run(
+      ["bash", "setup.sh", *args], cwd=REPO_ROOT, env={**os.environ, **env}, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith("error: "), proc
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
+  # A pytest that cannot be imported, first on the path: as on a machine set up without --dev.
+  (tmp_path / "pytest").mkdir()
+  (tmp_path / "pytest" / "__init__.py").write_text("raise ImportError('not installed')\n")
+  env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+  proc = subprocess.run(
+    ["bash", "unit_test_and_lint.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False
+  )
+  assert proc.returncode == 2 and proc.stdout == "", proc
+  assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "bash setup.sh --dev" in proc.stderr
+
+
+def test_every_linked_script_has_a_short_mode_or_a_reason():
+  linked = linked_scripts()
+  assert "end_to_end/quickstart_demo.sh" in linked  # the discovery itself works
+  missing = sorted(linked - set(SHORT_MODES) - set(NOT_HERE))
+  assert not missing, f"README.md links {missing}: give each a short mode and a case in SHORT_MODES, or a NOT_HERE reason"
+  stale = sorted((set(SHORT_MODES) | set(NOT_HERE)) - linked)
+  assert not stale, f"{stale} are no longer linked from README.md; drop them here"
+  for name in NOT_HERE:
+    assert os.path.isfile(os.path.join(REPO_ROOT, name)), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SHORT_MODES))
+def test_script_in_short_mode(script, request, tmp_path):
+  SHORT_MODES[script](request, tmp_path)  # The cases that need the quick start's run ask for it (once per module).
