@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+import tqdm  # noqa: E402
 import yaml  # noqa: E402
 from flax import traverse_util  # noqa: E402
 
@@ -315,11 +316,19 @@ def eval_step(model, params, reference_params, batch):
   return aux["xent"], aux["tokens"], {}
 
 
-def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState) -> dict[str, float]:
+def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState, step: int) -> dict[str, float]:
   """Mean loss per non-padding target token (DPO: per pair, with its metrics) over eval_steps batches (-1: one
   pass over the split)."""
   loss_sum, weight, sums = 0.0, 0, {}
-  batches = input_pipeline.create_eval_iterator(config, mesh)
+  batches = tqdm.tqdm(  # A progress bar for an evaluation that takes over 2 s (a whole split can take minutes).
+    input_pipeline.create_eval_iterator(config, mesh),
+    desc=f"eval after step {step}",
+    total=config.eval_steps if config.eval_steps > 0 else None,
+    unit="batch",
+    delay=2,
+    leave=False,
+    disable=jax.process_index() != 0,
+  )
   for i, batch in enumerate(batches):
     if i == config.eval_steps:
       break
@@ -766,7 +775,7 @@ def _check_finite(scalars: dict, step: int, config: Config, manager) -> None:
 
 
 def _evaluate_and_log(run: Run, state: state_lib.TrainState, step: int, writer: metrics.MetricWriter) -> dict:
-  scalars = evaluate(run.config, run.mesh, run.eval_fn, state)
+  scalars = evaluate(run.config, run.mesh, run.eval_fn, state, step)
   if run.config.use_dpo:
     cli.log(
       f"eval after step {step}: DPO loss {scalars['eval/avg_loss']:.4f}, reward accuracy "

@@ -1,5 +1,6 @@
 """The train step and the loop: gradient accumulation, resume exactness, checkpoints across meshes."""
 
+import contextlib
 import json
 import os
 import re
@@ -367,7 +368,7 @@ def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = jax.device_put(nn.meta.unbox(boxed)["params"], replicated)
   eval_fn = jax.jit(lambda p, r, b: train.eval_step(model, p, r, b))
-  got = train.evaluate(cfg, mesh, eval_fn, state_lib.TrainState(step=0, params=params, opt_state=None))
+  got = train.evaluate(cfg, mesh, eval_fn, state_lib.TrainState(step=0, params=params, opt_state=None), step=0)
   total, tokens = 0.0, 0
   for i, batch in enumerate(input_pipeline.create_eval_iterator(cfg, mesh)):
     if i == 3:
@@ -572,3 +573,56 @@ def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_
   assert train.main(["train.py", BASE_YML, *overrides_of(*stalled)]) == 0
   assert f"resumed from {tmp_path}/stalled/checkpoints/3" in capsys.readouterr().out
   assert {m["step"]: m["learning/loss"] for m in _metrics(tmp_path / "b.jsonl")} == straight
+
+
+@contextlib.contextmanager
+def _small_disk(path, kib: int):
+  """A tmpfs of `kib` KiB mounted at `path` (made) for the block."""
+  path.mkdir()
+  subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], check=True)
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_a_disk_that_fills_during_the_first_save_ends_in_one_line(tmp_path):
+  """Another writer fills the disk while the first (async) save runs, so the room check passed: the run ends with
+  the one full-disk line; no traceback from Orbax's writer threads, TensorBoard's flush at exit or the metrics
+  file on the same disk, and no checkpoint is taken as complete."""
+  with _small_disk(tmp_path / "disk", 160) as disk:
+    code = (
+      "import sys; from MaxText import train; train._check_room = lambda *a: None; "  # the disk fills after the check
+      "sys.exit(train.main(sys.argv))"
+    )
+    args = overrides_of(
+      "run_name=full", f"base_output_directory={disk}", "enable_checkpointing=true", "enable_tensorboard=true",
+      "steps=4", "checkpoint_period=1", f"metrics_file={disk}/m.jsonl",
+    )  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = run([sys.executable, "-c", code, BASE_YML, *args], env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: no space left on device for a checkpoint in") and proc.stderr.count("\n") == 1
+    assert "Traceback" not in proc.stdout + proc.stderr and "Exception ignored" not in proc.stdout + proc.stderr
+    assert not [n for n in os.listdir(disk / "full" / "checkpoints") if n.isdigit()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_an_output_on_a_full_disk_is_refused_before_anything_is_written(tmp_path):
+  """metrics_file (or the run folder) on a disk with no room: exit 2 with one line naming it, nothing written
+  anywhere (config.yml and TensorBoard's events are written first otherwise)."""
+  with _small_disk(tmp_path / "disk", 64) as disk:
+    with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+      f.write(b"\0" * (1 << 20))
+    for key, value in (("metrics_file", f"{disk}/m.jsonl"), ("base_output_directory", f"{disk}/runs")):
+      args = overrides_of(
+        "run_name=r", f"base_output_directory={tmp_path}/runs", "enable_tensorboard=true", f"{key}={value}"
+      )
+      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+      proc = run([sys.executable, "MaxText/train.py", BASE_YML, *args], env)
+      assert proc.returncode == 2, proc.stdout + proc.stderr
+      assert proc.stderr.startswith(f"error: {key}={value}: no space left on") and proc.stderr.count("\n") == 1, proc.stderr
+      assert sorted(os.listdir(disk)) == ["filler"] and not (tmp_path / "runs").exists()
