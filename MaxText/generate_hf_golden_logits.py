@@ -37,8 +37,11 @@ def golden_rows(args) -> list[dict]:
   """One {"prompt", "tokens", "logits"} per prompt; raises ValueError for a user mistake."""
   if not os.path.isfile(os.path.join(args.hf_model_path, "config.json")):
     raise ValueError(f"--hf_model_path={args.hf_model_path} has no config.json; give a Hugging Face model folder")
-  import torch
-  import transformers
+  try:
+    import torch
+    import transformers
+  except ImportError as e:  # The reference's packages come with the test stack, not the runtime.
+    raise ValueError(f"{e.name} is not installed (it comes with the test stack); run: bash setup.sh --dev") from None
 
   if args.prompts:
     try:

@@ -7,6 +7,7 @@ file altered so that the two no longer agree fails with exit code 1; a malformed
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -124,3 +125,14 @@ def test_generator_mistakes(tmp_path, capsys):
   assert generate_hf_golden_logits.main([*argv, "--prompts", "hello"]) == 2  # a random model has no tokenizer
   assert "pass --token_ids" in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "g.jsonl")
+
+
+def test_generator_without_the_test_stack_is_one_line(tmp_path, capsys, monkeypatch):
+  """transformers comes with `setup.sh --dev` only: without it the generator says so in one line."""
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "config.json").write_text("{}")
+  monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+  argv = ["gen", f"--hf_model_path={tmp_path / 'hf'}", f"--output_path={tmp_path / 'g.jsonl'}", "--token_ids", "1"]
+  assert generate_hf_golden_logits.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err == "error: transformers is not installed (it comes with the test stack); run: bash setup.sh --dev\n", err
