@@ -8,16 +8,21 @@ e.g. a NaN loss) is one line and exit code 1; anything else is a bug and keeps i
 imports another: what two of them need lives here or in the library modules.
 """
 
+import json
 import logging
 import os
+import shutil
+import stat
 import sys
+import threading
 import traceback
+import warnings
 
 import jax
 import yaml
 
 from MaxText import checkpointing, distributed, pyconfig, sharding, storage
-from MaxText.common_types import Config, ConfigError
+from MaxText.common_types import Config, ConfigError, cut
 
 # XLA's CPU fusions restricted to dots and reductions; see compiler_options().
 CPU_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
@@ -75,6 +80,10 @@ def load_config(argv, writes_run_dir: bool = False) -> Config:
   writes_run_dir: the script writes under {base_output_directory}/{run_name}, so run_name must be given.
   """
   values = pyconfig.parse(argv)
+  if values["jax_cache_dir"]:  # A file there would turn the cache off without a word from JAX.
+    check_kind("jax_cache_dir", values["jax_cache_dir"], folder=True)
+  if values["compiled_trainstep_file"]:  # train.py reads it, train_compile.py writes it: a file either way.
+    check_kind("compiled_trainstep_file", values["compiled_trainstep_file"], folder=False)
   if values["hardware"] == "gpu":  # Read when the GPU backend starts, so before the first device query.
     os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
   configure_jax(values)
@@ -93,6 +102,9 @@ def load_config(argv, writes_run_dir: bool = False) -> Config:
       f"{os.environ.get('JAX_PLATFORMS', '')!r}); set hardware={devices[0].platform} or unset JAX_PLATFORMS"
     )
   config = pyconfig.finalize(values, num_devices=len(devices), num_slices=sharding.count_slices(devices))
+  for key in ("load_parameters_path", "load_full_state_path"):  # A bucket we cannot read fails here, not at restore.
+    if storage.is_remote(getattr(config, key)):
+      storage.check_access(key, getattr(config, key), write=False)
   if writes_run_dir:
     checkpointing.run_dir(config)  # Raises ConfigError for an empty run_name, before anything is written.
     check_output_paths(config)
@@ -100,13 +112,41 @@ def load_config(argv, writes_run_dir: bool = False) -> Config:
 
 
 def check_output_paths(config: Config) -> None:
-  """Refuses, before anything is written, a local base_output_directory or metrics_file that cannot be written
-  (a URL such as gs://... is left to its storage library). pyconfig.parse made both absolute."""
+  """Refuses, before anything is written, a base_output_directory or metrics_file that cannot be written: locally
+  (pyconfig.parse made the paths absolute) by what is there, on a bucket by storage.check_access."""
   if not config.base_output_directory:
     raise ConfigError("base_output_directory is empty; pass the folder that holds run folders, e.g. /tmp/maxtext_runs")
   check_writable("base_output_directory", config.base_output_directory, folder=True)
   if config.metrics_file:
     check_writable("metrics_file", config.metrics_file, folder=False)
+    check_metrics_file(config.metrics_file)
+  for key in ("base_output_directory", "metrics_file"):
+    if storage.is_remote(getattr(config, key)):
+      storage.check_access(key, getattr(config, key), write=True)
+
+
+def check_kind(key: str, path: str, folder: bool) -> None:
+  """ConfigError unless the local absolute `path` is a folder (or a regular file, folder=False), or does not exist
+  and no file stands where a folder above it would be made. Only os.stat looks at it: nothing is opened, so a FIFO
+  or /dev/zero cannot hang the check."""
+  if storage.is_remote(path):
+    return
+  wanted = "a folder" if folder else "a regular file"
+  if os.path.exists(path):
+    mode = os.stat(path).st_mode
+    if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
+      raise ConfigError(f"{key}={cut(path)} is {pyconfig.file_kind(mode)}; pass the path of {wanted}")
+    return
+  existing = os.path.dirname(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ConfigError(f"{key}={cut(path)}: {cut(existing)} is a file, so no folder can be made there; pass another path")
+
+
+# The least free space a local output needs to start: a run writes config.yml, TensorBoard's events and metrics
+# lines (kilobytes) before its first checkpoint, whose room train.py checks itself.
+MIN_FREE_BYTES = 1 << 20
 
 
 def check_writable(key: str, path: str, folder: bool) -> None:
@@ -114,16 +154,47 @@ def check_writable(key: str, path: str, folder: bool) -> None:
   can be created: its nearest existing ancestor is a writable folder."""
   if storage.is_remote(path):
     return
-  if os.path.isdir(path) != folder and os.path.exists(path):
-    kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file")
-    raise ConfigError(f"{key}={path} is {kind}; pass the path of {wanted}")
-  existing = path if os.path.exists(path) else os.path.dirname(path)
+  check_kind(key, path, folder)
+  existing = path
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
-  if not os.path.isdir(existing) and existing != path:
-    raise ConfigError(f"{key}={path}: {existing} is a file, so no folder can be made there; pass another path")
   if not os.access(existing, os.W_OK):
-    raise ConfigError(f"{key}={path}: {existing} is not writable by this user; pass a writable path")
+    raise ConfigError(f"{key}={cut(path)}: {cut(existing)} is not writable by this user; pass a writable path")
+  free = shutil.disk_usage(existing).free
+  if free < MIN_FREE_BYTES:
+    raise ConfigError(
+      f"{key}={cut(path)}: no space left on the device of {cut(existing)} ({free // 1024} KiB free); free space or "
+      "pass a path on another disk"
+    )
+
+
+# Longest line of a metrics file (metrics.MetricWriter writes a few hundred bytes a line); a longer one means the
+# file holds something else.
+_METRICS_LINE_BYTES = 1 << 20
+
+
+def check_metrics_file(path: str) -> None:
+  """ConfigError unless the local `path` is new, empty, or a metrics file: JSON lines of one object each, as
+  metrics.MetricWriter appends them (a resumed run appends to its own). A last line cut short (a run killed while
+  writing it) is allowed; anything else, e.g. a copy of /etc/passwd, would get JSON lines appended to it."""
+  if storage.is_remote(path) or not os.path.isfile(path):
+    return
+  with open(path, "rb") as f:
+    number = 0
+    while line := f.readline(_METRICS_LINE_BYTES):
+      number += 1
+      last = not line.endswith(b"\n")
+      if not line.strip() or (last and line.startswith(b"{") and len(line) < _METRICS_LINE_BYTES):
+        continue
+      try:
+        record = json.loads(line)
+      except ValueError:
+        record = None
+      if not isinstance(record, dict):
+        raise ConfigError(
+          f"metrics_file={cut(path)} exists and is not a metrics file (its line {number} is not a JSON object); "
+          "pass a new path, or the metrics_file of the run you resume"
+        )
 
 
 def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
@@ -165,6 +236,24 @@ def _full_disk_is_reported_once(record: logging.LogRecord) -> bool:
   return not checkpointing.out_of_space(error) and "No space left on device" not in record.getMessage()
 
 
+# Longest error line run_cli prints: messages cut the values they quote (common_types.shown), and this caps the rest.
+ERROR_LINE_CHARS = 2000
+
+
+def error_line(error: Exception) -> str:
+  """An error's message as one line of at most ERROR_LINE_CHARS characters."""
+  return cut(" ".join(str(error).splitlines()), ERROR_LINE_CHARS)
+
+
+def _quiet_exit() -> None:
+  """After a failure's one line, the process only exits: the libraries' threads, exit hooks and garbage (a
+  TensorBoard writer whose flush failed, Orbax's abandoned coroutines) would repeat the failure as tracebacks and
+  warnings, so they are silenced."""
+  sys.unraisablehook = lambda unraisable: None
+  threading.excepthook = lambda args: None
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+
+
 def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   """A script's exit code: runs body(config) for the command line `argv` (an int it returns is the exit code,
   anything else means 0); a user mistake (ConfigError, exit 2) or a failed run (TrainingError, exit 1) is one
@@ -175,16 +264,18 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   for the other processes while they wait for it in a collective): they see it gone and fail too.
   """
   logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
-  logging.getLogger("absl").addFilter(_full_disk_is_reported_once)
+  for logger in ("absl", "asyncio"):  # Orbax's log, and its failed writes' "Task exception was never retrieved".
+    logging.getLogger(logger).addFilter(_full_disk_is_reported_once)
+  checkpointing.drop_abandoned_io()
   try:
     config = load(argv[1:]) if load is not None else load_config(argv[1:], writes_run_dir)
     code = body(config)
     code = code if isinstance(code, int) else 0
   except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
     code = 2
   except TrainingError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
     code = 1
   except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first, see train.StopRequest).
     print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
@@ -194,6 +285,8 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
       raise
     traceback.print_exc()
     code = 1
+  if code in (1, 2):  # Reported in one line (or, in a multi-process job, by its traceback).
+    _quiet_exit()
   if code and jax.distributed.is_initialized():
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,6 +15,23 @@ class ConfigError(ValueError):
   """A mistake in the user's configuration; the message says what is wrong and how to fix it."""
 
 
+# Longest text an error message quotes from the user (a value, a path, a key): a mistake must stay one readable line.
+SHOWN_CHARS = 200
+
+
+def cut(text: str, limit: int = SHOWN_CHARS) -> str:
+  """`text`, or its first `limit` characters and how long it was."""
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+  """repr(value) cut to `limit` characters, for quoting a user's value in an error message."""
+  try:
+    return cut(repr(value), limit)
+  except (ValueError, RecursionError):  # An int of over 4300 digits has no repr; a self-nesting list none either.
+    return f"<a {type(value).__name__} too large to show>"
+
+
 class Config:
   """Frozen, typed run configuration: attribute access to the keys of base.yml plus derived values."""
 

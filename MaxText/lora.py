@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from MaxText.common_types import Config, ConfigError
+from MaxText.common_types import Config, ConfigError, cut, shown
 
 ADAPTERS = ("lora_a", "lora_b")
 # Our projection names -> the Hugging Face / PEFT module names of the Llama-like families.
@@ -36,10 +36,17 @@ HF_NAMES = {
 
 
 def check(values: Mapping) -> None:
-  """pyconfig's checks of the LoRA keys; raises ConfigError."""
+  """pyconfig's checks of the LoRA keys; raises ConfigError. lora_target_modules is checked with lora_rank=0 too:
+  a wrong name there is a mistake the user meets once they turn LoRA on, so it is reported now."""
   rank, targets = values["lora_rank"], values["lora_target_modules"]
   if rank < 0:
     raise ConfigError(f"lora_rank={rank} is negative; give the adapters' rank (0 turns LoRA off)")
+  unknown = [t for t in targets if t not in HF_NAMES and t not in HF_NAMES.values()]
+  if unknown or not targets:
+    raise ConfigError(
+      f"lora_target_modules={shown(list(targets))}: {cut(unknown[0]) if unknown else 'empty'} is not a projection with "
+      f"adapters; choose from {list(HF_NAMES)} (or PEFT's {list(HF_NAMES.values())})"
+    )
   if rank == 0:
     if values["hf_lora_adapter_path"]:
       raise ConfigError("hf_lora_adapter_path is set but lora_rank=0; set lora_rank (and lora_alpha) to the adapter's")
@@ -51,12 +58,6 @@ def check(values: Mapping) -> None:
     return
   if values["lora_alpha"] <= 0:
     raise ConfigError(f"lora_alpha={values['lora_alpha']} must be > 0 (an adapter adds lora_alpha / lora_rank x A B)")
-  unknown = [t for t in targets if t not in HF_NAMES and t not in HF_NAMES.values()]
-  if unknown or not targets:
-    raise ConfigError(
-      f"lora_target_modules={list(targets)}: {unknown[0] if unknown else 'empty'} is not a projection with adapters; "
-      f"choose from {list(HF_NAMES)} (or PEFT's {list(HF_NAMES.values())})"
-    )
   smallest = min(values["emb_dim"], values["head_dim"], values["mlp_dim"])
   if rank >= smallest:
     raise ConfigError(

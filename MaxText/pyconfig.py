@@ -16,14 +16,15 @@ A user mistake raises `ConfigError` whose message names the key, the value and t
 import difflib
 import math
 import os
+import stat
 import types
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 import yaml
 
 from MaxText import families, input_pipeline, lora, metrics, optimizers, storage
-from MaxText.common_types import Config, ConfigError, freeze
+from MaxText.common_types import Config, ConfigError, cut, freeze, shown, thaw
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
 from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models
@@ -89,52 +90,166 @@ def choices() -> dict[str, Collection[str]]:
   }
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-  """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+# Deepest nesting of lists and mappings a config value may have (base.yml's deepest, logical_axis_rules, has 3):
+# PyYAML composes a node per level by recursion, so a few thousand "[" would end in a RecursionError.
+MAX_YAML_DEPTH = 32
+
+
+class _Refused(yaml.MarkedYAMLError):
+  """YAML that is valid but not accepted in a config; `problem` says what, `problem_mark` where."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+  """yaml.SafeLoader (no Python tags) for configs, which also refuses:
+
+  - anchors and aliases (&name, *name) and merge keys (<<): nested aliases expand exponentially (the "billion
+    laughs": a few lines make gigabytes, and the parse never ends), and a config has no need of them;
+  - nesting deeper than MAX_YAML_DEPTH;
+  - a key given twice in one mapping (PyYAML silently keeps the last);
+  - an integer of more digits than Python converts (a ValueError, not a YAMLError, from PyYAML).
+  """
+
+  _depth = 0
+
+  def compose_node(self, parent, index):
+    event = self.peek_event()
+    if getattr(event, "anchor", None) is not None:  # An AliasEvent's anchor is the name it refers to.
+      raise _Refused(
+        problem="YAML anchors and aliases (&name, *name) are not supported; write the value out",
+        problem_mark=event.start_mark,
+      )
+    if self._depth >= MAX_YAML_DEPTH:
+      raise _Refused(problem=f"values nested over {MAX_YAML_DEPTH} deep are not supported", problem_mark=event.start_mark)
+    self._depth += 1
+    try:
+      return super().compose_node(parent, index)
+    finally:
+      self._depth -= 1
 
   def construct_mapping(self, node, deep=False):
-    keys = [self.construct_object(key_node, deep=deep) for key_node, _ in node.value]
-    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
-    if twice:
-      raise yaml.YAMLError(f"key {twice[0]!r} is given twice (line {node.start_mark.line + 1}); give it once")
+    for key_node, _ in node.value:
+      if key_node.tag == "tag:yaml.org,2002:merge":
+        raise _Refused(problem="merge keys (<<) are not supported; write the keys out", problem_mark=key_node.start_mark)
+    keys = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if not isinstance(key, Hashable):
+        continue  # SafeConstructor refuses it below.
+      if key in keys:
+        raise _Refused(problem=f"key {shown(key)} is given twice; give it once", problem_mark=key_node.start_mark)
+      keys.add(key)
     return super().construct_mapping(node, deep=deep)
+
+  def construct_yaml_int(self, node):
+    try:
+      return super().construct_yaml_int(node)
+    except ValueError:
+      digits = len(str(node.value))
+      raise _Refused(
+        problem=f"an integer of {digits} digits is too large; give a smaller number", problem_mark=node.start_mark
+      ) from None
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+
+
+def _load_yaml(stream) -> Any:
+  """One YAML document (a str or a text file) through _ConfigLoader."""
+  loader = _ConfigLoader(stream)
+  try:
+    return loader.get_single_data()
+  finally:
+    loader.dispose()
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+  """A PyYAML error in one line: what is wrong (its first line when it has no problem text) and the line."""
+  if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+    where = f"line {e.problem_mark.line + 1}: " if e.problem_mark is not None else ""
+    what = f"{e.context} {e.problem}" if e.context else e.problem  # e.g. "expected a single document ... but found ..."
+    return cut(where + " ".join(what.split()))
+  return cut(" ".join((str(e).splitlines() or [type(e).__name__])[0].split()))
+
+
+# What a path that is not a regular file is, for the error message.
+_FILE_KINDS = (
+  (stat.S_ISDIR, "a folder"),
+  (stat.S_ISFIFO, "a FIFO"),
+  (stat.S_ISCHR, "a character device"),
+  (stat.S_ISBLK, "a block device"),
+  (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str:
+  """What an os.stat st_mode is, in words ("a file", "a folder", "a FIFO", ...)."""
+  if stat.S_ISREG(mode):
+    return "a file"
+  return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "a special file")
 
 
 def _read_yml(path: str, seen=()) -> dict:
-  """Reads a yml file, following `base_config:` (relative to the file's folder) first."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} does not exist; pass the path of a yml file such as MaxText/configs/base.yml")
-  if path in seen:
-    raise ConfigError(f"base_config loop through {path!r}; remove the cycle")
+  """Reads a yml file, following `base_config:` (relative to the file's folder) first. A path that is not a
+  regular file is refused before it is opened: reading /dev/zero or a FIFO would never end."""
+  what = f"config file {shown(path)}"
+  try:
+    mode = os.stat(path).st_mode
+  except (FileNotFoundError, NotADirectoryError):
+    raise ConfigError(f"{what} does not exist; pass the path of a yml file such as MaxText/configs/base.yml") from None
+  except (OSError, ValueError) as e:  # ValueError: a NUL character in the path.
+    raise ConfigError(f"{what} cannot be read ({cut(str(getattr(e, 'strerror', None) or e))}); pass another path") from None
+  if not stat.S_ISREG(mode):
+    raise ConfigError(f"{what} is {file_kind(mode)}, not a regular file; pass the path of a yml file")
+  real = os.path.realpath(path)
+  if real in seen:
+    raise ConfigError(f"base_config loop through {what}; remove the cycle")
   try:
     with open(path, encoding="utf-8") as f:
-      values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+      values = _load_yaml(f)
+  except OSError as e:
+    raise ConfigError(f"{what} cannot be read ({e.strerror}); pass a readable file") from None
   except UnicodeDecodeError as e:
-    raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    raise ConfigError(f"{what} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+  except _Refused as e:
+    raise ConfigError(f"{what} {_yaml_problem(e)}") from None
   except yaml.YAMLError as e:
-    raise ConfigError(f"config file {path!r} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax") from None
+    raise ConfigError(f"{what} is not valid YAML ({_yaml_problem(e)}); fix its syntax") from None
+  if values is None:  # An empty file, or comments only.
+    values = {}
   if not isinstance(values, dict):
-    raise ConfigError(f"config file {path!r} must hold a mapping of key: value")
+    raise ConfigError(f"{what} must hold a mapping of key: value, not a {type(values).__name__}")
+  for key in values:
+    if not isinstance(key, str):
+      raise ConfigError(f"{what}: key {shown(key)} is not a name; keys are the names in MaxText/configs/base.yml")
   parent = values.pop("base_config", None)
+  if parent is not None and not isinstance(parent, str):
+    raise ConfigError(f"{what}: base_config={shown(parent)} is not a path; give the path of the yml it extends")
   if parent:
     parent_path = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(path), parent)
-    if not os.path.isfile(parent_path) and os.path.isfile(os.path.join(CONFIGS_DIR, parent)):
+    if not os.path.lexists(parent_path) and os.path.isfile(os.path.join(CONFIGS_DIR, parent)):
       parent_path = os.path.join(CONFIGS_DIR, parent)
-    return {**_read_yml(parent_path, seen + (path,)), **values}
+    return {**_read_yml(parent_path, (*seen, real)), **values}
   return values
+
+
+def defaults() -> dict:
+  """base.yml's keys with their default values: the schema."""
+  return _read_yml(BASE_YML)
 
 
 def _unknown_key_error(key: str, schema: Mapping, where: str) -> ConfigError:
   close = difflib.get_close_matches(key, list(schema), n=1)
   hint = f"did you mean {close[0]!r}?" if close else "see MaxText/configs/base.yml for the valid keys"
-  return ConfigError(f"unknown config key {key!r} {where}; {hint}")
+  return ConfigError(f"unknown config key {shown(key)} {where}; {hint}")
 
 
 def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
   """Coerces `value` to the type of the schema's `default`; strings from argv/env are parsed as YAML."""
   if from_text and not isinstance(default, str):
     try:
-      value = yaml.safe_load(value) if value != "" else ""
+      value = _load_yaml(value) if value != "" else ""
+    except _Refused as e:
+      raise ConfigError(f"{key}={shown(value)}: {e.problem}") from None
     except yaml.YAMLError:
       pass
   if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
@@ -147,25 +262,33 @@ def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
       return value.lower() == "true"
     if isinstance(value, bool):
       return value
-    raise ConfigError(f"{key}={value!r} is not a boolean; use {key}=true or {key}=false")
+    raise ConfigError(f"{key}={shown(value)} is not a boolean; use {key}=true or {key}=false")
   if isinstance(default, int):
     if isinstance(value, float) and value.is_integer() and not from_text:  # A yml's 10000.0 (e.g. imported rope_theta).
       return int(value)
     if isinstance(value, int) and not isinstance(value, bool):
       return value
-    raise ConfigError(f"{key}={value!r} is not an integer; give a whole number such as {key}={default}")
+    raise ConfigError(f"{key}={shown(value)} is not an integer; give a whole number such as {key}={default}")
   if isinstance(default, float):
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    raise ConfigError(f"{key}={value!r} is not a number; give a number such as {key}={default}")
+      try:
+        number = float(value)
+      except OverflowError:  # An int beyond a float's range.
+        number = math.inf
+      if not math.isfinite(number):  # No key means anything by nan or inf: they would reach the first step.
+        raise ConfigError(f"{key}={shown(value)} is not a finite number; give a number such as {key}={default}")
+      return number
+    raise ConfigError(f"{key}={shown(value)} is not a number; give a number such as {key}={default}")
   if isinstance(default, str):
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
       return str(value)
-    raise ConfigError(f"{key}={value!r} is not a string")
+    raise ConfigError(f"{key}={shown(value)} is not a string; quote it")
   if isinstance(default, list):
     if isinstance(value, (list, tuple)):
+      if all(isinstance(v, str) for v in default) and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}={shown(value)} is not a list of names; give e.g. {key}='{list(default)}'")
       return freeze(value)
-    raise ConfigError(f"{key}={value!r} is not a list; give a YAML list such as {key}='{default}'")
+    raise ConfigError(f"{key}={shown(value)} is not a list; give a YAML list such as {key}='{list(default)}'")
   return freeze(value)
 
 
@@ -173,7 +296,7 @@ def _parse_overrides(argv: Sequence[str], schema: Mapping) -> dict:
   overrides = {}
   for arg in argv:
     if "=" not in arg:
-      raise ConfigError(f"argument {arg!r} is not of the form key=value; write overrides as key=value after the yml")
+      raise ConfigError(f"argument {shown(arg)} is not of the form key=value; write overrides as key=value after the yml")
     key, value = arg.split("=", 1)
     if key not in schema:
       raise _unknown_key_error(key, schema, "on the command line")
@@ -183,26 +306,29 @@ def _parse_overrides(argv: Sequence[str], schema: Mapping) -> dict:
   return overrides
 
 
-def _parse_env(env: Mapping[str, str], schema: Mapping) -> dict:
+def _parse_env(env: Mapping[str, str], schema: Mapping) -> dict[str, tuple[str, str]]:
+  """key -> (the M_<KEY> variable as the user spelled it, its value)."""
   values = {}
   for name, value in env.items():
     if name.startswith("M_") and len(name) > 2:
       key = name[2:].lower()
       if key not in schema:
-        raise _unknown_key_error(key, schema, f"in environment variable {name}")
-      values[key] = value
+        raise _unknown_key_error(key, schema, f"in environment variable {shown(name)}")
+      if key in values:
+        raise ConfigError(f"environment variables {values[key][0]} and {name} both set {key}; set one of them")
+      values[key] = (name, value)
   return values
 
 
 def _model_preset_path(model_name: str) -> str:
   if model_name.endswith((".yml", ".yaml")):
-    if not os.path.isfile(model_name):
-      raise ConfigError(f"model_name={model_name}: file not found; give an existing model yml or a preset name")
+    if not os.path.lexists(model_name):  # Anything else there, _read_yml says what it is.
+      raise ConfigError(f"model_name={shown(model_name)}: file not found; give an existing model yml or a preset name")
     return model_name
   path = os.path.join(MODELS_DIR, f"{model_name}.yml")
   if not os.path.isfile(path):
     presets = sorted(f[:-4] for f in os.listdir(MODELS_DIR) if f.endswith(".yml"))
-    raise ConfigError(f"model_name={model_name} is not a preset; choose 'default' or one of {', '.join(presets)}")
+    raise ConfigError(f"model_name={shown(model_name)} is not a preset; choose 'default' or one of {', '.join(presets)}")
   return path
 
 
@@ -216,7 +342,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
   env = os.environ if env is None else env
   if not argv:
     raise ConfigError("no config file given; run e.g. `python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME`")
-  schema = _read_yml(BASE_YML)
+  schema = defaults()
   file_values = _read_yml(argv[0])
   for key in file_values:
     if key not in schema:
@@ -225,15 +351,20 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
   env_values = _parse_env(env, schema)
   both = sorted(set(cli) & set(env_values))
   if both:
-    raise ConfigError(f"{both[0]} is set both on the command line and as M_{both[0].upper()}; set it in one place")
-  user = {**env_values, **cli}
+    raise ConfigError(f"{both[0]} is set both on the command line and as {env_values[both[0]][0]}; set it in one place")
+  user = {**{key: value for key, (_, value) in env_values.items()}, **cli}
 
   def typed(key, value, from_text):
     return _coerce(key, value, schema[key], from_text)
 
   values = {k: typed(k, v, False) for k, v in {**schema, **file_values}.items()}
   for key, value in user.items():
-    values[key] = typed(key, value, True)
+    try:
+      values[key] = typed(key, value, True)
+    except ConfigError as e:
+      if key in cli:
+        raise
+      raise ConfigError(f"environment variable {env_values[key][0]}: {e}") from None
 
   if values["model_name"] != "default":
     preset_path = _model_preset_path(values["model_name"])
@@ -266,9 +397,37 @@ def _check_run_name(values: Mapping) -> None:
   name = values["run_name"]
   if "/" in name or "\\" in name or name in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in name):
     raise ConfigError(
-      f"run_name={name!r} must be one plain folder name: no '/' or '\\', not '.' or '..', no control characters "
+      f"run_name={shown(name)} must be one plain folder name: no '/' or '\\', not '.' or '..', no control characters "
       "(it names the run's folder under base_output_directory)"
     )
+
+
+# Longest file or folder name, and longest path, in bytes (Linux's NAME_MAX and PATH_MAX less the NUL; macOS's
+# NAME_MAX is 255 too): beyond them every open fails with ENAMETOOLONG, some only after the run has started.
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
+
+
+def _check_path_names(values: Mapping) -> None:
+  """run_name and the local paths of PATH_KEYS: names the file system takes (the bytes of each name, as os.fsencode
+  encodes it, within NAME_MAX_BYTES; no NUL character)."""
+  paths = [("run_name", values["run_name"])]
+  paths += [(key, values[key]) for key in PATH_KEYS if values[key] and not storage.is_remote(values[key])]
+  for key, path in paths:
+    try:
+      encoded = os.fsencode(path)
+    except UnicodeEncodeError:
+      raise ConfigError(f"{key}={shown(path)} cannot be encoded as a file name; use characters of your locale") from None
+    if b"\0" in encoded:
+      raise ConfigError(f"{key}={shown(path)} holds a NUL character, which no file name may; remove it")
+    if len(encoded) > PATH_MAX_BYTES:
+      raise ConfigError(f"{key}={shown(path)} is {len(encoded)} bytes long; a path may have {PATH_MAX_BYTES}")
+    for name in encoded.split(b"/"):
+      if len(name) > NAME_MAX_BYTES:
+        raise ConfigError(
+          f"{key}={shown(path)}: the name {shown(os.fsdecode(name), 60)} is {len(name)} bytes long; a file or folder "
+          f"name may have {NAME_MAX_BYTES} bytes, so shorten it"
+        )
 
 
 def _check_local_paths(values: Mapping) -> None:
@@ -276,7 +435,7 @@ def _check_local_paths(values: Mapping) -> None:
   for key in ("tokenizer_path", "hf_model_path"):
     if storage.is_remote(values[key]):
       raise ConfigError(
-        f"{key}={values[key]} must be a local path; copy it first (e.g. gsutil -m cp -r {values[key]} .) or use a "
+        f"{key}={cut(values[key])} must be a local path; copy it first (e.g. gsutil -m cp -r {cut(values[key])} .) or use a "
         "gcsfuse mount"
       )
 
@@ -285,6 +444,7 @@ def _validate(values: Mapping) -> None:
   """Checks that need no devices: choices, ranges, the model's shape, the axis rules, and the family's own."""
   _check_choices(values)
   _check_run_name(values)
+  _check_path_names(values)
   _check_local_paths(values)
   _check_model(values)
   _check_training(values)
@@ -299,18 +459,18 @@ def _validate(values: Mapping) -> None:
 def _check_choices(values: Mapping) -> None:
   for key, valid in choices().items():
     if values[key] not in valid:
-      raise ConfigError(f"{key}={values[key]!r} is not supported; choose one of {', '.join(map(repr, valid))}")
+      raise ConfigError(f"{key}={shown(values[key])} is not supported; choose one of {', '.join(map(repr, valid))}")
   if not values["mlp_activations"]:
     raise ConfigError("mlp_activations=[] is empty; give at least one activation, e.g. ['silu','linear']")
   for act in values["mlp_activations"]:
     if act not in linears.ACTIVATIONS:
-      raise ConfigError(f"mlp_activations contains {act!r}; choose among {', '.join(linears.ACTIVATIONS)}")
+      raise ConfigError(f"mlp_activations contains {shown(act)}; choose among {', '.join(linears.ACTIVATIONS)}")
 
 
 def _check_positive(values: Mapping, keys: Sequence[str]) -> None:
   for key in keys:
     if values[key] <= 0:
-      raise ConfigError(f"{key}={values[key]} must be positive")
+      raise ConfigError(f"{key}={shown(values[key])} must be positive")
 
 
 def _check_model(values: Mapping) -> None:
@@ -351,7 +511,14 @@ def _check_training(values: Mapping) -> None:
   if values["steps"] == -1 and values["learning_rate_schedule_steps"] == -1:
     raise ConfigError("steps=-1 needs learning_rate_schedule_steps set; give one of them a positive value")
   if values["steps"] < -1 or values["steps"] == 0:
-    raise ConfigError(f"steps={values['steps']} must be positive (or -1 to take learning_rate_schedule_steps)")
+    raise ConfigError(f"steps={shown(values['steps'])} must be positive (or -1 to take learning_rate_schedule_steps)")
+  # The step counts the compiled step sees: the optimizer's int32 step count against the schedule's boundaries (a
+  # count past 2**31 - 1 overflows the jit's int32 arguments) and the accumulation scan's length.
+  for key in ("steps", "learning_rate_schedule_steps", "gradient_accumulation_steps"):
+    if values[key] >= 2**31:
+      raise ConfigError(
+        f"{key}={shown(values[key])} does not fit the int32 step counts of the compiled step; give at most {2**31 - 1}"
+      )
   if not 0.0 <= values["warmup_steps_fraction"] <= 1.0:
     raise ConfigError(f"warmup_steps_fraction={values['warmup_steps_fraction']} must be in [0, 1]")
   if values["lr_schedule_type"] == "wsd":
@@ -397,9 +564,9 @@ def _check_training(values: Mapping) -> None:
     raise ConfigError(
       f"max_num_checkpoints_to_keep={values['max_num_checkpoints_to_keep']} is negative; give a count (0 keeps all)"
     )
-  if not -(2**31) <= values["init_weights_seed"] < 2**32:
-    seed = values["init_weights_seed"]
-    raise ConfigError(f"init_weights_seed={seed} does not fit 32 bits; give a seed in [-2**31, 2**32)")
+  for key in ("init_weights_seed", "decode_sampling_seed"):  # jax.random.key takes a 32-bit seed.
+    if not -(2**31) <= values[key] < 2**32:
+      raise ConfigError(f"{key}={shown(values[key])} does not fit 32 bits; give a seed in [-2**31, 2**32)")
   if values["load_parameters_path"] and values["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 
@@ -411,7 +578,9 @@ def _check_layers(values: Mapping) -> None:
   family = families.get(block)
   if (values["attention_type"] == "mla") != family.mla:
     need = "mla" if family.mla else "global"
-    raise ConfigError(f"attention_type={values['attention_type']!r}: decoder_block={block} needs attention_type={need!r}")
+    raise ConfigError(
+      f"attention_type={shown(values['attention_type'])}: decoder_block={block} needs attention_type={need!r}"
+    )
   first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
   if first and family.dense_layer is None:
     with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layer is not None)
@@ -448,7 +617,7 @@ def _check_moe(values: Mapping) -> None:
   )
   if values["routed_score_func"] not in ("", "softmax", "sigmoid"):
     raise ConfigError(
-      f"routed_score_func={values['routed_score_func']!r} is not supported; choose '' (softmax) or 'sigmoid'"
+      f"routed_score_func={shown(values['routed_score_func'])} is not supported; choose '' (softmax) or 'sigmoid'"
     )
   if (values["routed_bias"] or groups > 0) and not sigmoid:
     raise ConfigError("routed_bias and n_routing_groups apply to sigmoid routing; set routed_score_func=sigmoid")
@@ -492,14 +661,17 @@ def _check_attention(values: Mapping) -> None:
 
 def _check_axis_rules(values: Mapping) -> None:
   if sorted(values["mesh_axes"]) != sorted(PARALLELISM_AXES.values()):
-    raise ConfigError(f"mesh_axes={list(values['mesh_axes'])} must be an ordering of {sorted(PARALLELISM_AXES.values())}")
+    raise ConfigError(
+      f"mesh_axes={shown(thaw(values['mesh_axes']))} must be an ordering of {sorted(PARALLELISM_AXES.values())}"
+    )
   for rule in values["logical_axis_rules"]:
     if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
-      raise ConfigError(f"logical_axis_rules entry {list(rule)!r} is not [logical_name, [mesh_axes]]")
+      raise ConfigError(f"logical_axis_rules entry {shown(thaw(rule))} is not [logical_name, [mesh_axes]]")
     for axis in _rule_axes(rule[1]):
       if axis not in values["mesh_axes"]:
         raise ConfigError(
-          f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; use one of {list(values['mesh_axes'])}"
+          f"logical_axis_rules maps {shown(rule[0])} to unknown mesh axis {shown(axis)}; use one of "
+          f"{list(values['mesh_axes'])}"
         )
 
 

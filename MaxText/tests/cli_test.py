@@ -3,13 +3,14 @@ point run as a file."""
 
 import json
 import os
+import signal
 import sys
 
 import jax
 import pytest
 import yaml
 
-from MaxText import cli, pyconfig
+from MaxText import cli, pyconfig, storage
 from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides, run
 
@@ -158,3 +159,137 @@ def test_nvidia_llama2_7b_command_is_accepted_key_for_key(tmp_path):
   assert (config.model_name, config.hardware, config.attention, config.steps) == ("llama2-7b", "gpu", "dot_product", 5)
   assert config.use_iota_embed and not config.logits_dot_in_fp32 and config.remat_policy == "minimal"
   assert config.global_batch_size == 16 and config.max_target_length == 4096
+
+
+def _one_line_exit_2(capsys, argv, writes_run_dir=True) -> str:
+  """Runs `argv` through run_cli with a body that must not be reached; returns the one `error: ` line."""
+  called = []
+  code, out = _run(called.append, capsys, argv=argv, writes_run_dir=writes_run_dir)
+  lines = out.err.strip().splitlines()
+  assert code == 2 and not called and len(lines) == 1 and lines[0].startswith("error: "), out
+  return lines[0]
+
+
+def test_a_metrics_file_that_is_not_one_is_refused_and_left_as_it_was(tmp_path, capsys):
+  """Before: JSON lines were appended to a copy of /etc/passwd given as metrics_file."""
+  passwd = tmp_path / "passwd"
+  passwd.write_text("root:x:0:0:root:/root:/bin/bash\nbin:x:1:1:bin:/bin:/usr/sbin/nologin\n")
+  arrays = tmp_path / "arrays.jsonl"
+  arrays.write_text('{"step": 0}\n[1, 2]\n')  # JSON, but line 2 is no object.
+  out = tmp_path / "out"
+  for path, line in ((passwd, 1), (arrays, 2)):
+    before = path.read_bytes()
+    err = _one_line_exit_2(capsys, ["prog", BASE_YML, *overrides(f"base_output_directory={out}", f"metrics_file={path}")])
+    assert err == (
+      f"error: metrics_file={path} exists and is not a metrics file (its line {line} is not a JSON object); pass a new "
+      "path, or the metrics_file of the run you resume"
+    )
+    assert path.read_bytes() == before and not out.exists()
+
+
+def test_a_metrics_file_written_by_a_run_is_accepted_to_resume_even_cut_short(tmp_path, capsys):
+  """A run's own metrics file (its step lines and goodput line), and the same with a last line cut short by a
+  kill, pass the check; a run then appends to it."""
+  from MaxText import train
+
+  metrics_file = tmp_path / "m.jsonl"
+  common = (f"base_output_directory={tmp_path}/out", f"metrics_file={metrics_file}")
+  assert train.main(["train.py", BASE_YML, *overrides(*common, "steps=2")]) == 0
+  lines = metrics_file.read_text().splitlines()
+  assert len(lines) >= 3 and all(isinstance(json.loads(line), dict) for line in lines)
+  cli.check_metrics_file(str(metrics_file))
+  with open(metrics_file, "a", encoding="utf-8") as f:
+    f.write('{"step": 2, "learning/lo')  # killed while writing
+  cli.check_metrics_file(str(metrics_file))
+  assert train.main(["train.py", BASE_YML, *overrides(*common, "run_name=second", "steps=1")]) == 0
+  text = metrics_file.read_text()
+  assert text.startswith("\n".join(lines)) and '{"step": 2, "learning/lo\n' in text and text.count('"step": 0,') == 2
+
+
+def test_outputs_that_are_fifos_or_devices_are_refused_without_opening_them(tmp_path, capsys):
+  """Opening a FIFO to append waits for a reader for ever; the check only stats it."""
+  os.mkfifo(tmp_path / "fifo")
+  out = tmp_path / "out"
+  for key, path, kind in [
+    ("metrics_file", tmp_path / "fifo", "a FIFO"),
+    ("metrics_file", "/dev/zero", "a character device"),
+    ("base_output_directory", tmp_path / "fifo", "a FIFO"),
+  ]:
+    argv = ["prog", BASE_YML, *overrides(f"base_output_directory={out}", f"{key}={path}")]
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the check opened the FIFO"))
+    signal.alarm(20)
+    try:
+      err = _one_line_exit_2(capsys, argv)
+    finally:
+      signal.alarm(0)
+    wanted = "a folder" if key == "base_output_directory" else "a regular file"
+    assert err == f"error: {key}={path} is {kind}; pass the path of {wanted}"
+  assert not out.exists()
+
+
+def test_a_jax_cache_dir_that_is_a_file_is_refused(tmp_path, capsys):
+  """Before: JAX silently ran without its cache."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("keep me")
+  for path, message in [
+    (a_file, f"jax_cache_dir={a_file} is a file; pass the path of a folder"),
+    (a_file / "cache", f"jax_cache_dir={a_file / 'cache'}: {a_file} is a file, so no folder can be made there"),
+  ]:
+    argv = ["prog", BASE_YML, *overrides(f"jax_cache_dir={path}")]
+    assert _one_line_exit_2(capsys, argv, writes_run_dir=False).startswith(f"error: {message}")
+  assert a_file.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_a_compiled_trainstep_file_that_cannot_be_a_file_is_refused_before_compiling(tmp_path, capsys):
+  """Before: train_compile.py compiled for a minute, then failed and left a .partial file beside the folder."""
+  from MaxText import train_compile
+
+  (tmp_path / "a_folder").mkdir()
+  (tmp_path / "a_file").write_text("keep me")
+  for path, message in [
+    (tmp_path / "a_folder", f"compiled_trainstep_file={tmp_path / 'a_folder'} is a folder; pass the path of a regular file"),
+    (tmp_path / "a_file" / "step.bin", f"{tmp_path / 'a_file'} is a file, so no folder can be made there"),
+  ]:
+    argv = ["train_compile.py", BASE_YML, *overrides(f"compiled_trainstep_file={path}")]
+    assert train_compile.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+  assert sorted(os.listdir(tmp_path)) == ["a_file", "a_folder"] and not os.listdir(tmp_path / "a_folder")
+
+
+def test_an_error_line_is_one_line_and_capped(capsys):
+  def body(config):
+    raise ConfigError("first\nsecond " + "x" * 1_000_000)
+
+  code, out = _run(body, capsys)
+  assert code == 2 and out.err.count("\n") == 1 and out.err.startswith("error: first second xxx")
+  assert len(out.err) < cli.ERROR_LINE_CHARS + 100 and out.err.endswith(f"... ({1_000_013} characters)\n")
+
+
+def test_remote_paths_are_checked_with_storage_check_access_before_anything_is_written(tmp_path, capsys, monkeypatch):
+  """base_output_directory and metrics_file on a bucket are checked for writing, the load paths for reading, each
+  before the body (storage.check_access itself, against a bucket, is tested in gcs_test.py)."""
+  calls = []
+
+  def check_access(key, url, write):
+    calls.append((key, url, write))
+    if url.startswith("gs://denied"):
+      raise ConfigError(f"{key}={url}: no access to bucket denied")
+
+  monkeypatch.setattr(storage, "check_access", check_access)
+  argv = ["prog", BASE_YML, *overrides("base_output_directory=gs://ok/runs", "metrics_file=gs://ok/m.jsonl")]
+  argv += ["load_parameters_path=gs://ok/ckpt/0/items"]
+  seen = []
+  assert _run(seen.append, capsys, argv=argv, writes_run_dir=True)[0] == 0 and len(seen) == 1
+  assert calls == [
+    ("load_parameters_path", "gs://ok/ckpt/0/items", False),
+    ("base_output_directory", "gs://ok/runs", True),
+    ("metrics_file", "gs://ok/m.jsonl", True),
+  ]
+  calls.clear()
+  assert _run(seen.append, capsys, argv=argv, writes_run_dir=False)[0] == 0  # No run folder: only the load path.
+  assert calls == [("load_parameters_path", "gs://ok/ckpt/0/items", False)]
+  for denied in ("base_output_directory=gs://denied/runs", "load_full_state_path=gs://denied/c/0/items"):
+    argv = ["prog", BASE_YML, *overrides(f"base_output_directory={tmp_path}/out", denied)]
+    assert _one_line_exit_2(capsys, argv).startswith(f"error: {denied}: no access to bucket denied")
+  assert not os.path.exists(tmp_path / "out")

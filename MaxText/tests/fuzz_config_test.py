@@ -1,11 +1,14 @@
-"""Fuzzed command lines: a few hundred bad configurations, drawn with a fixed seed from the mistakes users make
-(every case of issue 15's probe, plus random mutations of a valid command line), each of which must end train.py
-with exit code 2 and one line on stderr, no traceback, and nothing written."""
+"""Fuzzed command lines and config files: a few hundred bad configurations, drawn with a fixed seed from the
+mistakes users make (every case of issue 15's probe, plus random mutations of a valid command line) and from YAML's
+tricks and paths that are no regular file (issue 29), each of which must end train.py with exit code 2 and one
+line on stderr, no traceback, and nothing written."""
 
 import collections
 import os
 import random
 import shutil
+import signal
+import time
 
 import yaml
 
@@ -178,3 +181,192 @@ def test_the_valid_command_line_itself_runs(tmp_path):
   """The fuzzer's base command line trains: its failures are the mutations'."""
   valid = overrides("run_name=fuzz", f"base_output_directory={tmp_path}", "steps=1", "override_model_config=true")
   assert train.main(["train.py", BASE_YML, *valid]) == 0
+
+
+# ------------------------------------------------------------------------------------------ config files
+# Generated config FILES (issue 29): YAML's tricks, and paths that are no regular file. Each case runs train.main
+# in this process under a SIGALRM of CASE_SECONDS, so a parse that never ends (an alias bomb, a FIFO opened for
+# reading) fails the case instead of hanging the test.
+FILE_CASES = 300
+FILE_SEED = 29
+CASE_SECONDS = 10
+# Longest error line a case may print: values are quoted cut (common_types.shown), so a line stays readable.
+READABLE_CHARS = 1000
+
+# Valid lines a generated file starts from (the command line's overrides win over them).
+_VALID_LINES = ["steps: 1", "log_period: 1", "learning_rate: 1.0e-3", "mlp_activations: ['silu', 'linear']",
+                "enable_tensorboard: false", "# a comment", "warmup_steps_fraction: 0.1"]  # fmt: skip
+_FLOAT_KEYS = ["learning_rate", "adam_b1", "warmup_steps_fraction", "dropout_rate", "per_device_batch_size"]
+_INT_KEYS = ["steps", "log_period", "checkpoint_period", "gradient_accumulation_steps", "init_weights_seed"]
+_LIST_KEYS = ["mlp_activations", "lora_target_modules", "train_data_columns", "logical_axis_rules"]
+_ANY_KEYS = [*_FLOAT_KEYS, *_INT_KEYS, *_LIST_KEYS, "run_name", "attention", "scan_layers"]
+
+
+def _alias_bomb(rng: random.Random) -> str:
+  """Nested aliases, width**depth strings once expanded (9**9 is 387 million): in one list value, or as keys."""
+  width, depth = rng.randint(2, 9), rng.randint(2, 9)
+  names = [f"l{i}" for i in range(depth)]
+  lists = [f"&{names[0]} [{', '.join(['lol'] * width)}]"]
+  lists += [f"&{b} [{', '.join([f'*{a}'] * width)}]" for a, b in zip(names[:-1], names[1:], strict=True)]
+  if rng.random() < 0.5:
+    return f"{rng.choice(_LIST_KEYS)}: [{', '.join(lists)}, *{names[-1]}]"
+  return "\n".join(
+    [*(f"{name}: {text}" for name, text in zip(names, lists, strict=True)), f"{rng.choice(_LIST_KEYS)}: [*{names[-1]}]"]
+  )
+
+
+def _deep(rng: random.Random) -> str:
+  depth = rng.choice([40, 200, 1000, 5000, 20000])
+  if rng.random() < 0.5:
+    return f"{rng.choice(_ANY_KEYS)}: {'[' * depth}{']' * depth}"
+  return f"{rng.choice(_ANY_KEYS)}: {'{a: ' * depth}1{'}' * depth}"
+
+
+# Each trick -> a text (or bytes) that makes a file invalid, whichever valid lines surround it.
+TRICKS = {
+  "anchor": lambda rng: f"{rng.choice(_INT_KEYS)}: &n 3\n{rng.choice(_INT_KEYS)}: *n",
+  "anchor_only": lambda rng: f"{rng.choice(_ANY_KEYS)}: &unused [a, b]",
+  "merge": lambda rng: rng.choice(["<<: {steps: 3}", "a: &m {steps: 3}\n<<: *m", "<<: [{log_period: 2}]"]),
+  "alias_bomb": _alias_bomb,
+  "python_tag": lambda rng: (
+    f"{rng.choice(_ANY_KEYS)}: "
+    + rng.choice(
+      [
+        "!!python/object:os.system [ls]",
+        "!!python/name:os.system",
+        "!!python/object/apply:os.system ['true']",
+        "!!python/tuple [1, 2]",
+        "!!python/module:os",
+        "!custom 3",
+      ]
+    )
+  ),  # fmt: skip
+  "binary": lambda rng: f"{rng.choice(_ANY_KEYS)}: !!binary aGVsbG8gd29ybGQ=",
+  "huge_int": lambda rng: f"{rng.choice(_INT_KEYS + _FLOAT_KEYS)}: {rng.choice('123456789')}{'0' * rng.randint(20, 20000)}",
+  "non_finite": lambda rng: f"{rng.choice(_FLOAT_KEYS)}: {rng.choice(['.nan', '.inf', '-.inf', '1.0e+999', 'nan'])}",
+  "deep": _deep,
+  "duplicate": lambda rng: "{0}: 1\n{0}: 2".format(rng.choice(_INT_KEYS)),
+  "non_utf8": lambda rng: bytes([rng.randint(0x80, 0xFF)]) + b": 1",
+  "nul": lambda rng: rng.choice([b"steps: 1\x00", b"\x00", b"run_name: a\x00b"]),
+  "non_string_key": lambda rng: rng.choice(["1: 2", "~: 3", "true: 4", "? [a, b]\n: 5", "2001-01-01: x", "1.5: y"]),
+  "bad_type": lambda rng: f"{rng.choice(_INT_KEYS)}: " + rng.choice(["!!set {a}", "!!timestamp 2001-12-14", "[1]", "{}"]),
+  "documents": lambda rng: "---\nsteps: 2\n---\nsteps: 3",
+  "long_value": lambda rng: f"{rng.choice(['run_name', 'attention'])}: [{', '.join(['x' * 50] * rng.randint(100, 5000))}]",
+  "long_key": lambda rng: f"{'k' * rng.randint(300, 100000)}: 1",
+}
+
+# Whole files that are valid (a run trains) or not, drawn for the "top_level" kind.
+TOP_LEVEL = [("", True), ("# only a comment\n", True), ("- a\n- b\n", False), ("just a string\n", False),
+             ("42\n", False), ("~\n", True), ("[steps, 3]\n", False), ("\ufeffsteps: 1\r\n", True)]  # fmt: skip
+
+FILE_KINDS = (*TRICKS, "top_level", "base_config_cycle", "base_config_special", "config_path_special")
+
+# What a path given as the config file, or as a base_config, can be (made in the test's case folder).
+SPECIAL_PATHS = ["folder", "fifo", "/dev/zero", "/dev/null", "missing.yml", "zero_link", "dangling_link"]
+
+
+def _special_path(name: str, cases) -> str:
+  if name.startswith("/"):
+    return name
+  return str(cases / name)
+
+
+def _file_case(rng: random.Random) -> tuple[str, dict, str, bool]:
+  """(kind, {file name: content}, the config path argument (a name in the case folder, or special), valid)."""
+  kind = rng.choice(FILE_KINDS)
+  base = f"base_config: {BASE_YML}"
+  lines = [base, *rng.sample(_VALID_LINES, rng.randint(0, 4))]
+  if kind == "base_config_cycle":
+    return kind, rng.choice([
+      {"a.yml": "base_config: a.yml\n"}, {"a.yml": "base_config: ./a.yml\n"},
+      {"a.yml": "base_config: b.yml\nsteps: 1\n", "b.yml": "base_config: ./a.yml\n"},
+      {"a.yml": "base_config: sub/../a.yml\n"},
+    ]), "a.yml", False  # fmt: skip
+  if kind == "base_config_special":
+    target = rng.choice(SPECIAL_PATHS)
+    return kind, {"a.yml": f"base_config: {target}\n" + "\n".join(lines[1:]) + "\n"}, "a.yml", False
+  if kind == "config_path_special":
+    return kind, {}, rng.choice(SPECIAL_PATHS), False
+  if kind == "top_level":
+    text, valid = rng.choice(TOP_LEVEL)
+    return kind, {"a.yml": text}, "a.yml", valid
+  trick = TRICKS[kind](rng)
+  parts = [line.encode() for line in lines]
+  parts.insert(rng.randint(1, len(parts)), trick if isinstance(trick, bytes) else trick.encode())
+  return kind, {"a.yml": b"\n".join(parts) + b"\n"}, "a.yml", False
+
+
+def _file_cases() -> list[tuple[str, dict, str, bool]]:
+  rng = random.Random(FILE_SEED)
+  return [_file_case(rng) for _ in range(FILE_CASES)]
+
+
+def _make_case_folder(cases) -> None:
+  """The special paths of SPECIAL_PATHS that live in the case folder, and a folder "sub" for a cycle through it."""
+  (cases / "folder").mkdir()
+  (cases / "sub").mkdir()
+  os.mkfifo(cases / "fifo")
+  os.symlink("/dev/zero", cases / "zero_link")
+  os.symlink(cases / "nowhere", cases / "dangling_link")
+
+
+class _Timeout(BaseException):
+  """A case ran past CASE_SECONDS (a BaseException: no `except Exception` in the code under test swallows it)."""
+
+
+def _ring(*_):
+  raise _Timeout
+
+
+def test_fuzzed_config_files_exit_2_with_one_line_within_seconds(tmp_path, tmp_path_factory, capsys, monkeypatch):
+  """Each generated config file ends train.py with exit 2 and one short `error: ` line, with no traceback, nothing
+  written, within CASE_SECONDS; a file that is valid after all (an empty one, comments only) trains instead."""
+  cases = tmp_path_factory.mktemp("cases")
+  _make_case_folder(cases)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  valid = overrides(f"base_output_directory={tmp_path}/runs", "steps=1", "run_name=fuzz")
+  before, case_files = _listing(tmp_path), _listing(cases)
+  previous = signal.signal(signal.SIGALRM, _ring)
+  failures, outcomes = [], collections.Counter()
+  try:
+    for i, (kind, files, config_path, is_valid) in enumerate(_file_cases()):
+      for name, content in files.items():
+        (cases / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+      start = time.monotonic()
+      signal.alarm(CASE_SECONDS)
+      try:
+        code = train.main(["train.py", _special_path(config_path, cases), *valid])
+      except _Timeout:
+        code = f"still running after {CASE_SECONDS} s"
+      except BaseException as e:  # noqa: BLE001 (a traceback is a failure to report with the others)
+        code = f"{type(e).__name__}: {str(e)[:200]}"
+      finally:
+        signal.alarm(0)
+      seconds = time.monotonic() - start
+      out, err = capsys.readouterr()
+      lines = err.strip().splitlines()
+      written = _listing(tmp_path) - before
+      outcomes[code if isinstance(code, int) else "raised"] += 1
+      if is_valid:
+        ok = code == 0 and not err.strip()
+      else:
+        ok = code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and not written
+        ok = ok and len(lines[0]) <= READABLE_CHARS
+      if not ok or "Traceback" in err + out:
+        failures.append(f"case {i} {kind} {files or config_path}"[:300] + f": exit {code}, {seconds:.1f} s, stderr "
+                        f"{err.strip()[-300:]!r}, wrote {sorted(written)[:3]}")  # fmt: skip
+      shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+      for name in files:
+        os.remove(cases / name)
+  finally:
+    signal.signal(signal.SIGALRM, previous)
+  assert not failures, f"{len(failures)} of {FILE_CASES} cases:\n" + "\n".join(failures)
+  assert _listing(cases) == case_files  # nothing written beside the config files either
+  assert outcomes[2] > FILE_CASES * 0.9, outcomes
+
+
+def test_the_file_fuzzer_draws_every_trick():
+  kinds = collections.Counter(kind for kind, *_ in _file_cases())
+  assert set(kinds) == set(FILE_KINDS), kinds
+  assert min(kinds.values()) >= 5, kinds

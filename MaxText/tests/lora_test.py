@@ -157,6 +157,15 @@ def test_bad_lora_keys_are_config_errors(change, message):
     config("hf_lora_export=adapter")
 
 
+@pytest.mark.parametrize("targets, named", [("['qkv']", "qkv"), ("['query','q_prj']", "q_prj"), ("[]", "empty")])
+def test_target_modules_naming_nothing_are_refused_with_lora_off_too(targets, named):
+  """Before: accepted with lora_rank=0, and refused only once LoRA was turned on."""
+  for rank in ("lora_rank=0", "lora_rank=4"):
+    with pytest.raises(ConfigError, match=rf"^lora_target_modules=.*: {named} is not a projection with adapters"):
+      config(rank, f"lora_target_modules={targets}")
+  assert config("lora_target_modules=['q_proj','wo']").lora_target_modules == ("q_proj", "wo")
+
+
 def test_dpo_under_lora_refuses_to_start_from_trained_adapters(tmp_path):
   """Its reference would be the base, not the starting policy."""
   from MaxText import checkpointing

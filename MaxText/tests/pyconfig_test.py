@@ -2,7 +2,10 @@
 
 import os
 import re
+import signal
+import time
 
+import numpy as np
 import pytest
 import yaml
 
@@ -103,10 +106,14 @@ BAD = [
   (["vocab_size=2147483648", "override_model_config=true"], "vocab_size=2147483648 does not fit the int32 token ids"),
   ([f"init_weights_seed={2**70}"], f"init_weights_seed={2**70} does not fit 32 bits"),
   (["hardware=gpu"], "hardware=gpu but JAX runs on cpu"),
+  (["steps=2147483648"], "steps=2147483648 does not fit the int32 step counts"),
+  (["learning_rate=nan"], "learning_rate=nan is not a finite number"),
+  (["learning_rate=inf"], "learning_rate=inf is not a finite number"),
+  (["run_name=" + "r" * 256], "is 256 bytes long; a file or folder name may have 255 bytes"),
 ]
 
 
-@pytest.mark.parametrize("overrides, key", BAD, ids=[b[0][0] for b in BAD])
+@pytest.mark.parametrize("overrides, key", BAD, ids=[b[0][0][:40] for b in BAD])
 def test_bad_config_exits_2_with_one_line(overrides, key, tmp_path, capsys):
   """A mistake is one line naming the key and value (the expected text), exit code 2, nothing written."""
   run_name = [] if any(o.startswith("run_name=") for o in overrides) else ["run_name=bad"]
@@ -182,3 +189,168 @@ def test_every_fixed_choice_is_listed_in_its_base_yml_comment():
     # A whole word: "float16" is not found inside "bfloat16", nor "high" inside "highest".
     missing = [v for v in valid if not re.search(rf"(?<![\w.]){re.escape(v)}(?!\w)(?!\.\w)" if v else '""', comment)]
     assert not missing, f"base.yml's comment on {key} does not name {missing}"
+
+
+def _yml(tmp_path, name: str, text: str) -> str:
+  path = tmp_path / name
+  path.write_text(f"base_config: {BASE_YML}\n{text}", encoding="utf-8")
+  return str(path)
+
+
+def _alarm(seconds: int):
+  """SIGALRM raises TimeoutError after `seconds`: a check that opened a FIFO would otherwise hang the test."""
+
+  def ring(*_):
+    raise TimeoutError(f"still running after {seconds} s")
+
+  signal.signal(signal.SIGALRM, ring)
+  signal.alarm(seconds)
+
+
+# A "billion laughs" in one list value: nine aliases of nine aliases ... of a list of nine, 9**9 (387 million)
+# strings once expanded.
+ALIAS_BOMB = (
+  "mlp_activations: [&a [lol, lol, lol, lol, lol, lol, lol, lol, lol], "
+  + "".join(f"&{c} [{', '.join([f'*{p}'] * 9)}], " for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+  + "*i]\n"
+)
+
+YAML_TRICKS = [
+  (ALIAS_BOMB, "line 2: YAML anchors and aliases (&name, *name) are not supported"),
+  ("steps: &s 3\nlog_period: *s\n", "line 2: YAML anchors and aliases"),
+  ("<<: {steps: 3}\n", "line 2: merge keys (<<) are not supported"),
+  ("steps: 3\nlog_period: 2\nsteps: 4\n", "line 4: key 'steps' is given twice"),
+  ("mlp_activations: " + "[" * 5000 + "]" * 5000 + "\n", "line 2: values nested over 32 deep are not supported"),
+  ("steps: " + "9" * 5000 + "\n", "line 2: an integer of 5000 digits is too large"),
+  ("steps: !!python/object:os.system [ls]\n", "could not determine a constructor for the tag"),
+  ("1: 2\n", "key 1 is not a name"),
+  ("steps: 3\n---\nsteps: 4\n", "expected a single document in the stream but found another document"),
+]
+
+
+@pytest.mark.parametrize("text, message", YAML_TRICKS, ids=[t[1][:24] for t in YAML_TRICKS])
+def test_yaml_tricks_in_a_config_file_are_one_short_line_naming_the_file(text, message, tmp_path):
+  """Before: the alias bomb never finished (a smaller one printed a 480,000-character line), deep nesting and a
+  5000-digit integer raised RecursionError and ValueError tracebacks."""
+  path = _yml(tmp_path, "trick.yml", text)
+  start = time.monotonic()
+  _alarm(20)
+  try:
+    with pytest.raises(ConfigError) as caught:
+      pyconfig.parse([path], env={})
+  finally:
+    signal.alarm(0)
+  message_text = str(caught.value)
+  assert time.monotonic() - start < 5
+  assert message in message_text and repr(path) in message_text, message_text
+  assert len(message_text) < 400 and "\n" not in message_text, message_text
+
+
+def test_a_base_config_cycle_through_another_spelling_of_the_path_is_refused(tmp_path):
+  """./a.yml and a.yml are one file: the cycle check compares real paths (before, a RecursionError)."""
+  (tmp_path / "a.yml").write_text("base_config: ./b.yml\n")
+  (tmp_path / "b.yml").write_text("base_config: ../" + tmp_path.name + "/a.yml\n")
+  with pytest.raises(ConfigError, match="base_config loop through config file"):
+    pyconfig.parse([str(tmp_path / "a.yml")], env={})
+
+
+@pytest.mark.parametrize(
+  "parent, message", [("5", "base_config=5 is not a path"), ("[a]", "base_config=['a'] is not a path")]
+)
+def test_a_base_config_that_is_no_path_is_refused(parent, message, tmp_path):
+  (tmp_path / "a.yml").write_text(f"base_config: {parent}\n")
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    pyconfig.parse([str(tmp_path / "a.yml")], env={})
+
+
+def _not_regular_files(tmp_path) -> dict[str, tuple[str, str]]:
+  """name -> (path, what the error must call it): a folder, a FIFO (opening it would wait for a writer for ever),
+  /dev/zero (reading it never ends)."""
+  os.mkfifo(tmp_path / "fifo")
+  (tmp_path / "folder").mkdir()
+  return {
+    "folder": (str(tmp_path / "folder"), "a folder"),
+    "fifo": (str(tmp_path / "fifo"), "a FIFO"),
+    "dev_zero": ("/dev/zero", "a character device"),
+  }
+
+
+@pytest.mark.parametrize("as_base_config", [False, True])
+def test_a_config_path_that_is_not_a_regular_file_is_named_for_what_it_is_and_never_read(as_base_config, tmp_path):
+  """Before: "does not exist" for each of them (and a FIFO given as base_config opened and hung)."""
+  for path, kind in _not_regular_files(tmp_path).values():
+    if as_base_config:
+      (tmp_path / "child.yml").write_text(f"base_config: {path}\n")
+      argv = [str(tmp_path / "child.yml")]
+    else:
+      argv = [path]
+    _alarm(10)
+    try:
+      with pytest.raises(ConfigError) as caught:
+        pyconfig.parse(argv, env={})
+    finally:
+      signal.alarm(0)
+    assert str(caught.value) == f"config file {path!r} is {kind}, not a regular file; pass the path of a yml file"
+
+
+def test_environment_variables_are_named_as_spelled():
+  """M_steps sets steps; before, messages named it M_STEPS, and a bad value did not name it at all."""
+  with pytest.raises(ConfigError, match="steps is set both on the command line and as M_steps;"):
+    pyconfig.parse([BASE_YML, "steps=3"], env={"M_steps": "4"})
+  with pytest.raises(ConfigError, match="^environment variable M_steps: steps='ten' is not an integer"):
+    pyconfig.parse([BASE_YML], env={"M_steps": "ten"})
+  with pytest.raises(ConfigError, match="environment variables M_steps and M_STEPS both set steps"):
+    pyconfig.parse([BASE_YML], env={"M_steps": "3", "M_STEPS": "4"})
+  assert pyconfig.parse([BASE_YML], env={"M_steps": "7"})["steps"] == 7
+
+
+def test_quoted_values_are_cut_to_a_readable_length():
+  long = "x" * 100_000
+  for args in ([f"run_name=[{long}]"], [f"remat_policy={long}"], [f"{long}=3"], [f"mlp_activations=[{long}]"]):
+    with pytest.raises(ConfigError) as caught:
+      pyconfig.parse([BASE_YML, *args], env={})
+    text = str(caught.value)
+    assert len(text) < 600 and re.search(r"\.\.\. \(1000\d\d characters\)", text), text[:700]
+
+
+FLOAT_KEYS = sorted(k for k, v in yaml.safe_load(open(BASE_YML, encoding="utf-8")).items() if type(v) is float)
+
+
+@pytest.mark.parametrize(
+  "value", ["nan", "inf", "-inf", ".nan", "1e400", "1" + "0" * 400], ids=["nan", "inf", "-inf", ".nan", "1e400", "10**400"]
+)
+def test_non_finite_numbers_are_refused_for_every_float_key(value):
+  """No float key of base.yml means anything by nan or inf (before: learning_rate=nan trained and failed at step 0
+  with a NaN loss, exit 1)."""
+  assert len(FLOAT_KEYS) > 30
+  for key in FLOAT_KEYS:
+    with pytest.raises(ConfigError, match=f"^{key}=.* is not a finite number"):
+      pyconfig.parse([BASE_YML, f"{key}={value}"], env={})
+
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@pytest.mark.parametrize("key", ["steps", "learning_rate_schedule_steps", "gradient_accumulation_steps"])
+def test_step_counts_of_the_compiled_step_must_fit_int32(key):
+  """jit takes these as int32 (a schedule over 2**32 steps raised OverflowError in the first step)."""
+  with pytest.raises(ConfigError, match=f"{key}={INT32_MAX + 1} does not fit the int32 .*give at most {INT32_MAX}"):
+    pyconfig.parse([BASE_YML, f"{key}={INT32_MAX + 1}"], env={})
+  assert pyconfig.parse([BASE_YML, f"{key}={INT32_MAX}"], env={})[key] == INT32_MAX
+
+
+def test_path_names_longer_than_255_bytes_are_refused(tmp_path):
+  """Counted in bytes: 128 'é' are 256 bytes (before: an OSError traceback when the run folder was made)."""
+  long_name = "é" * 128
+  assert len(os.fsencode(long_name)) == 256
+  for key, value in [
+    ("run_name", long_name),
+    ("base_output_directory", f"{tmp_path}/{long_name}/runs"),
+    ("metrics_file", f"{tmp_path}/{'é' * 124}mm.jsonl"),
+    ("jax_cache_dir", f"{tmp_path}/{long_name}"),
+    ("compiled_trainstep_file", f"{tmp_path}/{long_name}"),
+  ]:
+    with pytest.raises(ConfigError, match=f"^{key}=.* is 256 bytes long; a file or folder name may have 255 bytes"):
+      pyconfig.parse([BASE_YML, f"{key}={value}"], env={})
+  values = pyconfig.parse([BASE_YML, f"run_name={'a' * 255}", f"base_output_directory={tmp_path}/{'é' * 127}"], env={})
+  assert values["run_name"] == "a" * 255
