@@ -3,12 +3,14 @@ tokenizer_path=PATH prompt="I love to" [key=value ...]`.
 
 Loads parameters (load_parameters_path, else the latest checkpoint of run_name), decodes the prompt (or
 every line of decode_prompts_file) with the KV cache and the compiled generate loop of inference/, and
-prints ``Input `PROMPT` -> `OUTPUT` `` per prompt, then the prefill time, the time per generated token and
-tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output starts with TEXT.
+prints ``Input `PROMPT` -> `OUTPUT` `` per prompt (control characters escaped, see `visible`), then the prefill
+time, the time per generated token and tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output
+as printed starts with TEXT.
 """
 
 import sys
 import time
+import unicodedata
 
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
@@ -34,15 +36,31 @@ def read_prompts(config: Config) -> list[str]:
   if not config.decode_prompts_file:
     return [config.prompt]
   path = storage.expand(config.decode_prompts_file)
-  if not storage.isfile(path):
-    raise ConfigError(f"decode_prompts_file={path} does not exist; give a UTF-8 file with one prompt per line")
+  hint = "give a UTF-8 file with one prompt per line"
+  if not storage.is_remote(path):
+    tokenizer_lib.check_file("decode_prompts_file", path, hint)  # Never opens /dev/zero, a FIFO or a folder.
+  elif not storage.isfile(path):
+    raise ConfigError(f"decode_prompts_file={path} does not exist; {hint}")
   try:
-    prompts = [line for line in storage.read_text(path).split("\n") if line.strip()]
+    # A line's end is "\n" or "\r\n"; any other control character stays in its prompt.
+    prompts = [line.removesuffix("\r") for line in storage.read_text(path).split("\n") if line.strip()]
   except UnicodeDecodeError as e:
     raise ConfigError(f"decode_prompts_file={path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
   if not prompts:
     raise ConfigError(f"decode_prompts_file={path} holds no prompt; write one prompt per line")
   return prompts
+
+
+# Bidirectional embeddings, overrides and isolates: they reorder how a terminal shows the text around them.
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def visible(text: str) -> str:
+  """`text` as printed: "\\n" stays a line break and printable text stays as it is; every other control character
+  (C0 with tab and CR, DEL, C1) and bidirectional override becomes its Python escape (\\t, \\r, \\x1b, \\u202e),
+  so a prompt or a generation cannot move the cursor, retitle or clear the terminal, or hide text. A backslash
+  stays as it is: the output is for reading, not for parsing back."""
+  return "".join(repr(c)[1:-1] if (unicodedata.category(c) == "Cc" and c != "\n") or c in _BIDI else c for c in text)
 
 
 class Timer:
@@ -106,7 +124,7 @@ def decode(config: Config) -> int:
     outputs.extend(tokenizer.decode(r.tolist()) for r in rows)
 
   for text, output in zip(prompts, outputs, strict=True):
-    cli.log(f"Input `{text}` -> `{output}`")
+    cli.log(f"Input `{visible(text)}` -> `{visible(output)}`")
   per_step = generate_time.seconds / max(steps, 1)
   cli.log(
     f"Prefill: {prefill_time.seconds * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
@@ -114,11 +132,11 @@ def decode(config: Config) -> int:
     f"{generated / max(generate_time.seconds, 1e-9):.1f} tokens/s (batch {batch}); compile {compile_time.seconds:.1f} s"
   )
   expected = config.autoregressive_decode_assert
-  if expected:
-    wrong = [o for o in outputs if not o.startswith(expected)]
+  if expected:  # Against the output as printed, escapes included: what the user sees is what they can assert.
+    wrong = [shown for shown in map(visible, outputs) if not shown.startswith(expected)]
     if wrong:
       print(
-        f"error: autoregressive_decode_assert: output {wrong[0][:80]!r} does not start with {expected!r}", file=sys.stderr
+        f"error: autoregressive_decode_assert: output '{wrong[0][:80]}' does not start with {expected!r}", file=sys.stderr
       )
       return 1
   return 0

@@ -11,15 +11,20 @@ where segmentation 0 marks padding and positions restart at 0 in every packed do
 
 The three text sources feed one Grain pipeline (text_pipeline.py): tokenize, pack, batch, global arrays. With
 use_sft their records are conversations (sft.py), and targets outside the loss get segmentation 0.
-`check(config)` validates paths and the tokenizer before a run writes anything.
+`check(config)` validates paths and the tokenizer before a run writes anything, and reads records until one fits
+max_target_length: data of which none does is refused there, where the pipeline would read it forever for a batch.
+Paths are looked at with os.stat before anything opens them: a FIFO or /dev/zero is refused, never read.
 """
 
 import glob
+import json
+import logging
 import os
 
 import jax
 
-from MaxText.common_types import Config, ConfigError
+from MaxText.common_types import Config, ConfigError, cut, shown
+from MaxText.input_pipeline import tokenizer
 from MaxText.input_pipeline.synthetic import SyntheticIterator
 
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
@@ -41,6 +46,8 @@ def _files(key: str, pattern: str) -> list[str]:
   folders = [f for f in files if os.path.isdir(f)]
   if folders:
     raise ConfigError(f"{key}={pattern} matches the folder {folders[0]}; give a glob of its files, e.g. {folders[0]}/*")
+  for f in files:  # Before anything opens them: reading a FIFO or /dev/zero would never end.
+    tokenizer.check_file(key, f, "give a glob of data files")
   empty = [f for f in files if os.path.getsize(f) == 0]
   if empty:
     raise ConfigError(f"{key}={pattern} matches an empty file {empty[0]}; remove it or rebuild the dataset")
@@ -82,6 +89,16 @@ def _hf_source(config: Config, train: bool):
 
   datasets.disable_progress_bars()
   path = os.path.expanduser(config.hf_path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    tokenizer.check_file("hf_path", path, "give a builder name (json, parquet, ...) or a saved dataset folder")
+  where = _where(config, train)
+  if config.hf_path == "json":  # datasets reads a file of JSON arrays or scalars as rows of a made-up "text" column
+    for f in files or []:
+      if not _starts_like_records(f):
+        raise _not_json_lines(where, [f]) or _file_error(where, f, "does not start with a JSON object")
+  quiet = logging.getLogger("datasets")  # It logs each file it fails to parse; the error below says it once.
+  level = quiet.level
+  quiet.setLevel(logging.CRITICAL)
   try:
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
       source = datasets.load_from_disk(path)[config.train_split if train else config.eval_split]
@@ -90,11 +107,103 @@ def _hf_source(config: Config, train: bool):
       split = "split" if files else (config.train_split if train else config.eval_split)
       data_dir = os.path.expanduser(config.hf_data_dir) or None
       source = datasets.load_dataset(path, data_dir=data_dir, data_files=data_files, split=split)
-  except (FileNotFoundError, ValueError) as e:
-    raise ConfigError(
-      f"hf_path={config.hf_path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+  except Exception as e:  # noqa: BLE001 (datasets and pyarrow raise many types for a file they cannot parse)
+    error = _not_json_lines(where, files or []) if config.hf_path == "json" else None
+    raise error or ConfigError(
+      f"{where}: cannot load ({_reason(e)}); check the files against hf_path={config.hf_path}"
     ) from None
-  return source
+  finally:
+    quiet.setLevel(level)
+  return _Rows(source, where, files if config.hf_path == "json" else [])
+
+
+class _Rows:
+  """A Hugging Face dataset whose rows raise ConfigError for text that is not UTF-8: pyarrow's json reader lets it
+  through and fails only when the row is read. The error names the file and line when `files` (JSON lines) do."""
+
+  def __init__(self, dataset, where: str, files: list[str]):
+    self.dataset, self.where, self.files = dataset, where, files
+
+  def __len__(self) -> int:
+    return len(self.dataset)
+
+  def __getitem__(self, index):
+    try:
+      return self.dataset[index]
+    except UnicodeDecodeError as e:
+      error = _not_json_lines(self.where, self.files)
+      raise error or ConfigError(f"{self.where}: row {index} is not UTF-8 ({e.reason}); save the data as UTF-8") from None
+
+
+def _reason(error: BaseException) -> str:
+  """`error`'s type and message, on one line and cut short; through a wrapper to what it wraps (datasets'
+  DatasetGenerationError wraps pyarrow's parse error)."""
+  while error.__cause__ is not None and type(error).__name__.endswith("GenerationError"):
+    error = error.__cause__
+  return f"{type(error).__name__}: {cut(' '.join(str(error).split()), 160)}"
+
+
+def _starts_like_records(path: str) -> bool:
+  """Whether the file `path` starts as JSON lines of objects or an array of objects do (its first 4 KiB)."""
+  with open(path, "rb") as f:
+    head = f.read(4096).lstrip()
+  return head.startswith(b"{") or (head.startswith(b"[") and head[1:].lstrip()[:1] in (b"{", b"]"))
+
+
+def _file_error(where: str, path: str, problem: str) -> ConfigError:
+  """`where` (the config's key=value), the file unless that is all it names, the problem, and the fix."""
+  named = where if where.endswith(f"={path}") else f"{where}: {path}"
+  return ConfigError(f"{named} {problem}; write one JSON object per line (UTF-8)")
+
+
+def _not_json_lines(where: str, files: list[str]) -> ConfigError | None:
+  """The error for the first of `files` that is not JSON lines of objects, or None."""
+  for path in files:
+    problem = json_lines_problem(path)
+    if problem:
+      return _file_error(where, path, problem)
+  return None
+
+
+def json_lines_problem(path: str) -> str | None:
+  """What is wrong with the file `path` as JSON lines of objects ("line 3 is not JSON (...)"), or None. A file that
+  is one JSON document (an array of records, which Hugging Face's json builder also reads) has no problem."""
+  with open(path, "rb") as f:
+    head = f.read(256).lstrip()[:1]
+    f.seek(0)
+    records = 0
+    for number, line in enumerate(f, start=1):
+      try:
+        text = line.decode("utf-8")
+      except UnicodeDecodeError as e:
+        return f"line {number} is not UTF-8 (byte {e.start} of the line is {line[e.start : e.start + 1]!r})"
+      if not text.strip():
+        continue
+      try:
+        record = json.loads(text)
+      except RecursionError:
+        return f"line {number} nests deeper than Python's stack: {shown(text.strip(), 60)}"
+      except ValueError as e:
+        if head == b"[" and number == 1:
+          return _json_document_problem(path)
+        return f"line {number} is not JSON ({getattr(e, 'msg', e)}: {shown(text.strip(), 60)})"
+      if not isinstance(record, dict):
+        return f"line {number} is a JSON {type(record).__name__}, not an object of columns: {shown(text.strip(), 60)}"
+      records += 1
+  return None if records else "holds no records (only empty lines)"
+
+
+def _json_document_problem(path: str) -> str | None:
+  with open(path, encoding="utf-8") as f:
+    try:
+      records = json.load(f)
+    except RecursionError:
+      return "nests deeper than Python's stack"
+    except ValueError as e:
+      return f"is not JSON ({getattr(e, 'msg', e)} at line {getattr(e, 'lineno', '?')})"
+  if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+    return "is not a JSON array of objects"
+  return None if records else "holds no records (an empty JSON array)"
 
 
 # dataset_type -> (config, is the train split) -> random-access records.
@@ -104,6 +213,16 @@ DATASET_TYPES = ("synthetic", *TEXT_SOURCES)
 
 def _source(config: Config, split: str):
   return TEXT_SOURCES[config.dataset_type](config, split == "train")
+
+
+def _where(config: Config, train: bool) -> str:
+  """The split's data as the config names it, for errors: "hf_train_files=chats/*.jsonl"."""
+  if config.dataset_type == "tfds":
+    return f"dataset_name={config.dataset_name if train else (config.eval_dataset_name or config.dataset_name)}"
+  key = {"grain": "grain_%s_files", "hf": "hf_%s_files"}[config.dataset_type] % ("train" if train else "eval")
+  if config.dataset_type == "hf" and not getattr(config, key):
+    return f"hf_path={config.hf_path}"
+  return f"{key}={getattr(config, key)}"
 
 
 def _columns_key(split: str) -> str:
@@ -150,22 +269,55 @@ CHECKED_RECORDS = 8
 
 
 def _check_split(config: Config, split: str) -> None:
+  """Reads the records of this process's share of the split until one fits max_target_length (text_pipeline.Fits),
+  and at least CHECKED_RECORDS of them with use_sft / use_dpo: data of which none fits would be read forever
+  without a batch, so it is refused here, having been read once (one pass, as the run would have)."""
+  from MaxText.input_pipeline import text_pipeline
+
   source = _source(config, split)
-  if not (config.use_sft or config.use_dpo):
-    _text_key(config, split)
-    return
-  conversation = _conversation(config, split)
-  for i in range(min(len(source), CHECKED_RECORDS)):
-    conversation(source[i])
+  where = _where(config, split == "train")
+  fine_tuning = config.use_sft or config.use_dpo
+  if fine_tuning:
+    transform = _conversation(config, split)
+    examples = "preferences" if config.use_dpo else "conversations"
+  else:
+    text_key, tokenize = _text_key(config, split), tokenizer.Tokenize.from_config(config)
+    transform = lambda record: tokenize(_document(record, text_key, _columns_key(split)))  # noqa: E731
+    examples = "documents"
+  share = range(jax.process_index(), len(source), jax.process_count())
+  if not share:
+    process = f" for process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+    raise ConfigError(f"{where} holds no records{process}; give more records")
+  fits = text_pipeline.Fits(config.max_target_length, examples, where)
+  checked, kept = CHECKED_RECORDS if fine_tuning else 1, False
+  for n, i in enumerate(share):
+    record = source[i]
+    try:
+      example = transform(record)
+    except ConfigError as e:
+      raise ConfigError(f"{e} (record {i + 1} of {where})") from None
+    kept = fits(example) or kept
+    if kept and n + 1 >= checked:
+      return
+  if not kept:
+    raise ConfigError(text_pipeline.nothing_fits(where, config.max_target_length, examples, fits.shortest))
+
+
+def _document(record, text_key: str | None, key: str):
+  """The text of a record (ArrayRecord records are it); raises ConfigError for a record without the column."""
+  if text_key is None:
+    return record
+  if not isinstance(record, dict) or text_key not in record:
+    has = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise ConfigError(f"{key}=[{text_key!r}]: a record has no column {text_key!r} (it has {has}); set {key}")
+  return record[text_key]
 
 
 def check(config: Config) -> None:
-  """Raises ConfigError for a missing data path, an empty glob, an unusable tokenizer, or fine-tuning records the
-  configuration cannot read (before any write)."""
+  """Raises ConfigError for a missing data path, an empty glob, an unusable tokenizer, fine-tuning records the
+  configuration cannot read, or data of which no record fits max_target_length (before any write)."""
   if config.dataset_type == "synthetic":
     return
-  from MaxText.input_pipeline import tokenizer
-
   tokenizer.check_tokenizer(config)
   _check_split(config, "train")
   if config.eval_interval > 0:
@@ -221,5 +373,6 @@ def _text_iterator(config: Config, mesh, split: str):
     worker_count=config.grain_worker_count,
     packing=config.packing,
     examples="preferences" if config.use_dpo else "conversations" if config.use_sft else "documents",
+    where=_where(config, train),
   )
   return text_pipeline.TextIterator(config, mesh, dataset, batch_size=batch)

@@ -22,6 +22,7 @@ whole conversation's own, never pieces tokenized apart. Otherwise every token is
 import dataclasses
 import json
 import os
+import unicodedata
 from datetime import datetime
 
 import numpy as np
@@ -73,8 +74,7 @@ def find_template(chat_template: str, chat_template_path: str, tokenizer_path: s
     return chat_template, "chat_template"
   if chat_template_path:
     path = os.path.expanduser(chat_template_path)
-    if not os.path.isfile(path):
-      raise ConfigError(f"chat_template_path={path} does not exist; give a .jinja file or a tokenizer_config.json")
+    tokenizer_lib.check_file("chat_template_path", path, "give a .jinja file or a tokenizer_config.json")
     return _read_template(path, "chat_template_path"), path
   folder = os.path.dirname(os.path.expanduser(tokenizer_path))
   for name in ("chat_template.jinja", "tokenizer_config.json"):
@@ -85,8 +85,11 @@ def find_template(chat_template: str, chat_template_path: str, tokenizer_path: s
 
 
 def _read_template(path: str, key: str | None) -> str | None:
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
   if not path.endswith(".json"):
     return text
   try:
@@ -203,7 +206,7 @@ class Conversation:
     if isinstance(record, bytes):
       try:
         record = json.loads(record)
-      except ValueError:
+      except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         raise ConfigError(f"{self.key}: a record is not a JSON object; write each record as UTF-8 JSON") from None
     if not isinstance(record, dict):
       raise ConfigError(f"{self.key}: a record is a {type(record).__name__}, not an object of columns")
@@ -222,6 +225,9 @@ class Conversation:
       turns = values["messages"]
     else:
       prompt, completion = self.columns if self.columns[0] in ("prompt", "question") else self.columns[::-1]
+      for column in (prompt, completion):
+        if not isinstance(values[column], str):
+          raise ConfigError(f"{self.key}: a record's column {column!r} is {_short(values[column])}, not a string")
       turns = [{"role": "user", "content": values[prompt]}, {"role": "assistant", "content": values[completion]}]
     return _check_turns(turns, self.key)
 
@@ -282,6 +288,9 @@ class Preference(Conversation):
   def _as_turns(self, value, role: str, column: str) -> list[dict] | str:
     if isinstance(value, str):
       return value if self.template is None else [{"role": role, "content": value}]
+    if not isinstance(value, list):
+      turns = " or a list of turns" if self.template is not None else ""
+      raise ConfigError(f"{self.key}: a record's column {column!r} is {_short(value)}, not a string{turns}")
     if self.template is None:
       raise ConfigError(f"{self.key}: column {column!r} holds turns, which need a chat template; set use_chat_template=true")
     return _check_turns(value, self.key, need_assistant=role == "assistant")
@@ -316,7 +325,7 @@ def _text(value):
 
 def _check_turns(turns, key: str, need_assistant: bool = True) -> list[dict]:
   if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-    raise ConfigError(f"{key}: a conversation is not a list of {{'role', 'content'}} turns")
+    raise ConfigError(f"{key}: a conversation is {_short(turns)}, not a list of {{'role', 'content'}} turns")
   for i, turn in enumerate(turns):
     if turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
       raise ConfigError(
@@ -330,5 +339,7 @@ def _check_turns(turns, key: str, need_assistant: bool = True) -> list[dict]:
 
 
 def _short(value) -> str:
-  text = json.dumps(value, ensure_ascii=False)
-  return text if len(text) <= 80 else text[:77] + "..."
+  """`value` as JSON cut to 80 characters, its control characters escaped (json.dumps leaves DEL and C1)."""
+  text = json.dumps(value, ensure_ascii=False, default=repr)
+  text = text if len(text) <= 80 else text[:77] + "..."
+  return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) == "Cc" else c for c in text)

@@ -29,7 +29,7 @@ import grain.experimental as grain_experimental
 import numpy as np
 
 from MaxText import sharding
-from MaxText.common_types import Config
+from MaxText.common_types import Config, ConfigError
 from MaxText.input_pipeline.tokenizer import Tokenize
 
 # Grain's packed keys -> ours.
@@ -62,15 +62,54 @@ class Pieces(grain_experimental.FlatMapTransform):
 PREFIXES = {"conversations": ("",), "preferences": ("chosen_", "rejected_")}
 
 
-class HasTargets:
-  """Keeps an example (after Shift) whose every sequence keeps a target in the loss: a conversation or a pair cut
-  before its response would only add rows without a gradient (and DPO pairs scored at a margin of 0)."""
+class Fits:
+  """Keeps an example that leaves a target in the loss once cut to `length` targets: a document of two tokens or
+  more, a conversation whose first loss target is within the cut, a pair whose two sequences both are (a cut before
+  the response would add rows without a gradient, and DPO pairs scored at a margin of 0).
 
-  def __init__(self, prefixes: tuple[str, ...]):
-    self.prefixes = prefixes
+  Data where nothing fits would be read forever without a batch, so `limit` examples dropped in a row (two passes
+  over the records: a whole pass lies within them) raise ConfigError instead; check() finds it before the run.
+  """
 
-  def __call__(self, example: dict) -> bool:
-    return all(example[f"{p}targets_mask"].any() for p in self.prefixes)
+  def __init__(self, length: int, examples: str, where: str = "the data", limit: int = 0):
+    self.length = length
+    self.examples = examples
+    self.where = where
+    self.limit = limit
+    self.dropped = 0  # examples dropped in a row
+    self.shortest = None  # the fewest tokens one of them needs (None: none can fit at any length)
+
+  def needed(self, example) -> int | None:
+    """The smallest max_target_length at which `example` (a tokenize output) keeps a target in the loss; None if
+    none does."""
+    if self.examples == "documents":
+      return 1 if len(example) >= 2 else None
+    firsts = [np.flatnonzero(example[f"{p}mask"][1:]) for p in PREFIXES[self.examples]]
+    return max(int(f[0]) + 1 for f in firsts) if all(len(f) for f in firsts) else None
+
+  def __call__(self, example) -> bool:
+    needed = self.needed(example)
+    if needed is not None and needed <= self.length:
+      self.dropped = 0
+      return True
+    self.dropped += 1
+    if needed is not None:
+      self.shortest = needed if self.shortest is None else min(self.shortest, needed)
+    if self.limit and self.dropped >= self.limit:
+      raise ConfigError(nothing_fits(self.where, self.length, self.examples, self.shortest))
+    return False
+
+
+def nothing_fits(where: str, length: int, examples: str, shortest: int | None) -> str:
+  """The line for data of which no example fits (Fits)."""
+  if examples == "documents":
+    return f"no document of {where} has two tokens or more (one to read, one to predict); give non-empty documents"
+  if shortest is None:
+    return f"no record of {where} has a target in the loss; give records with a response"
+  return (
+    f"no record of {where} fits max_target_length={length}; the shortest needs {shortest} tokens: "
+    f"set max_target_length={shortest} or more, or give shorter prompts"
+  )
 
 
 class Shift(grain.transforms.Map):
@@ -136,25 +175,31 @@ def make_dataset(
   max_document_tokens: int = 1 << 20,
   packing: bool = True,
   examples: str = "documents",
+  where: str = "the data",
 ):
   """The Grain IterDataset of this process's batches: dicts of [rows, length] int32 arrays (our BATCH_KEYS).
 
   source: a random-access sequence of documents (str/bytes, or dicts holding the text under text_key).
   tokenize: a document -> its tokens (examples="documents"); a record -> sft.Conversation's {"tokens", "mask"}
     ("conversations") or sft.Preference's {"chosen_tokens", "chosen_mask", "rejected_tokens", ...} ("preferences").
+  where: the data, for errors (e.g. "hf_train_files=chats/*.jsonl").
   """
   dataset = grain.MapDataset.source(source)[process_index::process_count]
+  records = len(dataset)
+  if not records:
+    share = f" for process {process_index} of {process_count}" if process_count > 1 else ""
+    raise ConfigError(f"{where} holds no records{share}; give more records")
   if shuffle:
     dataset = dataset.shuffle(seed=seed)
   dataset = dataset.repeat(None if num_epochs < 0 else num_epochs)
   if text_key is not None:
     dataset = dataset.map(operator.itemgetter(text_key))
-  dataset = dataset.map(tokenize).to_iter_dataset()
+  dataset = dataset.map(tokenize).to_iter_dataset().filter(Fits(length, examples, where, limit=2 * records))
   prefixes = PREFIXES.get(examples, ("",))
   if examples == "documents":
     dataset = grain_experimental.FlatMapIterDataset(dataset, Pieces(length, max_document_tokens // length + 1))
   else:
-    dataset = dataset.map(Shift(length, prefixes)).filter(HasTargets(prefixes))
+    dataset = dataset.map(Shift(length, prefixes))
   if packing:
     keys = ("inputs", "targets") if examples == "documents" else ("inputs", "targets", "targets_mask")
     dataset = grain_experimental.FirstFitPackIterDataset(

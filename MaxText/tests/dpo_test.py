@@ -1,6 +1,7 @@
 """DPO: the loss against a float64 NumPy reference, preference records, packed pairs, and the command line."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -289,3 +290,52 @@ def test_a_pair_cut_before_its_responses_is_dropped(files):  # noqa: F811
   assert len(batches) == 0, "five rows need five pairs: the long one must be gone"
   batch = _pair_batches(files, 4, packing=False, pairs=[*PAIRS, long])[0]
   assert all(batch[f"{side}_targets_segmentation"].any(axis=1).all() for side in ("chosen", "rejected"))
+
+
+def test_pairs_of_which_none_fits_are_one_error_not_a_spin(files, tmp_path):  # noqa: F811
+  """Pairs whose prompts pass max_target_length=64: check() refuses them, and an iterator made without check()
+  raises the same error instead of reading forever. The length named is the prompt's tokens as transformers renders
+  it (the responses' first target); one less is refused, at it a batch of pairs comes out."""
+  import transformers
+
+  from MaxText.tests.sft_test import _first_batch_or_error
+
+  rng = np.random.default_rng(0)
+  words = "Which book is this verse from the sea sun moon".split()
+  pairs = [{"prompt": " ".join(rng.choice(words, 150 + i)), "chosen": "Genesis", "rejected": "Hamlet"} for i in range(8)]
+  _write_jsonl(tmp_path / "pairs.jsonl", pairs)
+  reference = transformers.AutoTokenizer.from_pretrained(str(files / "hf"))
+  reference.chat_template = CHATML
+  shortest = min(len(reference.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
+                     ["input_ids"]) for p in pairs)  # fmt: skip
+  assert shortest > 64
+
+  def cfg(*extra):
+    return config("use_dpo=true", "use_chat_template=true", "dataset_type=hf", "hf_path=json",
+                  f"hf_train_files={tmp_path}/pairs.jsonl", f"tokenizer_path={files}/hf/tokenizer.json",
+                  "tokenizer_type=huggingface", "vocab_size=512", "override_model_config=true",
+                  "train_data_columns=['prompt','chosen','rejected']", "per_device_batch_size=2", *extra)  # fmt: skip
+
+  want = (
+    f"no record of hf_train_files={tmp_path}/pairs.jsonl fits max_target_length=64; the shortest needs {shortest} tokens"
+  )
+  for check in (True, False):
+    with pytest.raises(ConfigError, match=re.escape(want)):
+      _first_batch_or_error(cfg(), check=check)
+  with pytest.raises(ConfigError, match=f"fits max_target_length={shortest - 1};"):
+    _first_batch_or_error(cfg(f"max_target_length={shortest - 1}"))
+  batch = _first_batch_or_error(cfg(f"max_target_length={shortest}"))
+  assert all(np.asarray(batch[f"{side}_targets_segmentation"]).any() for side in ("chosen", "rejected"))
+
+
+@pytest.mark.parametrize(
+  "pair, message",
+  [
+    ({"prompt": "a", "chosen": None, "rejected": "b"}, "column 'chosen' is null, not a string or a list of turns"),
+    ({"prompt": 7, "chosen": "a", "rejected": "b"}, "column 'prompt' is 7, not a string or a list of turns"),
+    ({"prompt": "a", "chosen": "b", "rejected": {"x": 1}}, "column 'rejected' is {\"x\": 1}, not a string or a list"),
+  ],
+)
+def test_pair_columns_of_another_type_name_the_column(files, pair, message):  # noqa: F811
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    _preference(files, CHATML)(pair)

@@ -1,6 +1,7 @@
 """Decoding: the KV cache against full recomputation, sampling against numpy, batching, sharding, the CLI."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -313,3 +314,53 @@ def test_pipeline_parallel_layout_decodes_as_single_device():
   eight = config(*DECODE, "per_device_batch_size=1", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", num_devices=8)
   _, params = _params(one)
   assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
+
+
+def test_visible_escapes_every_control_character_but_newline():
+  """Against a hand-written table: C0 (tab and CR as \\t, \\r), DEL, C1 and the bidirectional overrides become
+  escapes; newlines, printable ASCII and other Unicode (CJK, emoji with a zero-width joiner) stay."""
+  bidi = [0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069]
+  for code in [*range(0x00, 0x300), *bidi, 0x200D, 0x3000, 0x65E5, 0x1F642]:
+    c = chr(code)
+    if c == "\n" or (0x20 <= code < 0x7F) or (code >= 0xA0 and code not in bidi):
+      want = c
+    elif c in "\t\r":
+      want = {"\t": "\\t", "\r": "\\r"}[c]
+    else:
+      want = f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    assert decode.visible(c) == want, hex(code)
+  assert decode.visible("\x1b]0;title\x07 a\\b\n日本 👨\u200d👩") == "\\x1b]0;title\\x07 a\\b\n日本 👨\u200d👩"
+
+
+def test_cli_prints_prompts_and_outputs_without_raw_control_characters(trained, capsys, tmp_path):
+  """A prompts file with an OSC title sequence, BEL, a bare CR, DEL, C1 and a CRLF line end: every character
+  decode.py prints is printable or a newline, and the prompt shows as its escapes (the CRLF's CR is the line end)."""
+  import unicodedata
+
+  _, args = trained
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_bytes("\x1b]0;pwned\x07The sun\x1b[2J\r\nThe \x7fsea\x9b\rX\n".encode())
+  code, out, err = _run(decode.main, (*args, "run_name=run", f"decode_prompts_file={prompts}"), capsys)
+  assert code == 0, err
+  raw = [hex(ord(c)) for c in out if c != "\n" and unicodedata.category(c) == "Cc"]
+  assert not raw, raw
+  lines = [line for line in out.splitlines() if line.startswith("Input `")]
+  assert [line.split("` -> `")[0] for line in lines] == [
+    "Input `\\x1b]0;pwned\\x07The sun\\x1b[2J",
+    "Input `The \\x7fsea\\x9b\\rX",
+  ]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
+def test_a_prompts_file_that_is_not_a_regular_file_is_never_opened(trained, capsys, tmp_path, kind):
+  from MaxText.tests.sft_test import deadline
+
+  _, args = trained
+  path = {"fifo": tmp_path / "prompts", "dev-zero": "/dev/zero", "folder": tmp_path}[kind]
+  if kind == "fifo":
+    os.mkfifo(path)
+  with deadline(60):
+    code, out, err = _run(decode.main, (*args, "run_name=run", f"decode_prompts_file={path}"), capsys)
+  words = {"fifo": "a FIFO", "dev-zero": "a character device", "folder": "a folder"}[kind]
+  assert code == 2 and f"decode_prompts_file={path} is not a regular file (it is {words})" in err, err
+  assert len(err.strip().splitlines()) == 1 and "Input `" not in out

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from MaxText import train_tokenizer
 from MaxText.input_pipeline import text_pipeline
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, metrics_losses, run
 from MaxText.tests.helpers import overrides as overrides_of
+from MaxText.tests.sft_test import files  # noqa: F401 (a fixture)
 
 
 class ByteTokens:
@@ -283,3 +285,70 @@ def test_resume_without_this_process_data_state_exits_2(tmp_path, text_data):
   assert rc == 2, (out, err)
   assert err.count("\n") == 1 and "has no data state for process 0 of 1" in err, err
   assert sorted(p.name for p in (tmp_path / "out/r/checkpoints").iterdir()) == ["2"]
+
+
+def test_documents_of_which_none_has_a_target_are_one_error_not_a_spin():
+  """Documents of fewer than two tokens yield nothing: repeated forever they would be read without end."""
+  from MaxText.common_types import ConfigError
+  from MaxText.tests.sft_test import deadline
+
+  with deadline(30), pytest.raises(ConfigError, match="no document of the data has two tokens or more"):
+    _pack([b"", b"x", b""], num_epochs=-1)
+  with deadline(30):  # one document with a target among them: batches come, forever
+    batches = text_pipeline.make_dataset([b"", b"x", b"xy"], tokenize=ByteTokens(), length=8, rows=2, seed=0,
+                                         num_epochs=-1, process_index=0, process_count=1)  # fmt: skip
+    pieces = _pieces([next(iter(batches))])
+  assert pieces and all(piece == ([ord("x")], [ord("y")]) for piece in pieces)
+  with pytest.raises(ConfigError, match="holds no records for process 2 of 3"):
+    _pack([b"ab", b"cd"], process_index=2, process_count=3)
+
+
+def _hf_text_config(files, path, *extra):  # noqa: F811
+  return config("dataset_type=hf", "hf_path=json", f"hf_train_files={path}", "tokenizer_type=huggingface",
+                f"tokenizer_path={files}/hf/tokenizer.json", "vocab_size=512", "override_model_config=true",
+                "per_device_batch_size=2", *extra)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "lines, extra, message",
+  [
+    ([{"text": ""}] * 3, ("add_bos=false", "add_eos=false"), "no document of hf_train_files={path} has two tokens"),
+    ([{"body": "a b"}] * 3, (), "train_data_columns=['text']: a record has no column 'text' (it has ['body'])"),
+    ([{"text": 5}] * 3, (), "a document is a int, not text"),
+  ],
+  ids=["empty", "no-column", "not-text"],
+)
+def test_documents_check_reads_until_one_fits(files, tmp_path, lines, extra, message):  # noqa: F811
+  from MaxText.common_types import ConfigError
+  from MaxText.tests.sft_test import _first_batch_or_error
+
+  path = tmp_path / "docs.jsonl"
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  with pytest.raises(ConfigError) as error:
+    _first_batch_or_error(_hf_text_config(files, path, *extra))
+  assert message.format(path=path) in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "socket"])
+def test_data_files_that_are_not_regular_files_are_never_opened(tmp_path, kind):
+  import socket
+
+  from MaxText import input_pipeline
+  from MaxText.common_types import ConfigError
+  from MaxText.tests.sft_test import deadline
+
+  path = str(tmp_path / "data.array_record")
+  if kind == "fifo":
+    os.mkfifo(path)
+  elif kind == "socket":
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+  else:
+    path = "/dev/zero"
+  words = {"fifo": "a FIFO", "dev-zero": "a character device", "socket": "a socket"}[kind]
+  cfg = config("dataset_type=grain", f"grain_train_files={path}", f"tokenizer_path={tmp_path}/none.model")
+  with deadline(30), pytest.raises(ConfigError, match=re.escape(f"{path} is not a regular file (it is {words})")):
+    input_pipeline._files("grain_train_files", cfg.grain_train_files)
+  hf = config("dataset_type=hf", f"hf_path={path}", f"tokenizer_path={tmp_path}/none.model")
+  with deadline(30), pytest.raises(ConfigError, match=re.escape(f"hf_path={path} is not a regular file (it is {words})")):
+    input_pipeline._hf_source(hf, train=True)

@@ -1,7 +1,10 @@
 """Supervised fine-tuning data: chat templates against transformers, the completion mask, packing, and the CLI."""
 
+import contextlib
 import json
 import os
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -337,12 +340,15 @@ def test_sft_trains_evaluates_and_resumes_from_the_command_line(files, tmp_path)
     ("no_assistant", "train_data_columns: a conversation has no assistant turn"),
     ("dataset_type=synthetic", "use_sft=true trains on conversations"),
     ("lora_rank=64", "lora_rank=64 is not below the model's smallest projection width"),
+    ("too_long", "train.jsonl fits max_target_length=64; the shortest needs"),
   ],
 )
 def test_bad_sft_input_exits_2_with_one_line_and_writes_nothing(files, tmp_path, change, message):
   args = _sft_args(files, tmp_path, "run_name=bad", "steps=2", "eval_interval=2", "enable_checkpointing=true")
   if change == "no_assistant":
     _write_jsonl(tmp_path / "train.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}] * 4)
+  elif change == "too_long":  # every prompt past max_target_length=64: no batch could ever be made
+    _write_jsonl(tmp_path / "train.jsonl", _long_conversations())
   else:
     args.append(change)
   assert_refused(args, tmp_path, message)
@@ -394,3 +400,135 @@ def test_decode_prompts_go_through_the_chat_template(files):
     assert got == list(reference.apply_chat_template(turns, add_generation_prompt=True)["input_ids"])
   plain = decode.prompt_tokens(config(*common, "add_bos=true"), tokenizer, ["Which book?"])
   assert plain == [[tokenizer.bos_id, *tokenizer.encode("Which book?")]]
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+  """Raises TimeoutError in the block after `seconds` (SIGALRM), so a test of a would-be hang fails instead."""
+
+  def expire(signum, frame):
+    raise TimeoutError(f"still running after {seconds} s: it hangs")
+
+  previous = signal.signal(signal.SIGALRM, expire)
+  signal.alarm(seconds)
+  try:
+    yield
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _long_conversations(n=20, words=200, seed=0):
+  """`n` conversations whose user turn is `words` words long."""
+  rng = np.random.default_rng(seed)
+  vocab = WORDS.split()
+  return [{"messages": [{"role": "user", "content": " ".join(rng.choice(vocab, words - 10 * (i % 3)))},
+                        {"role": "assistant", "content": "Genesis"}]} for i in range(n)]  # fmt: skip
+
+
+def _hf_sft_config(files, path, *extra):
+  return config("use_sft=true", "use_chat_template=true", "sft_train_on_completion_only=true", "dataset_type=hf",
+                "train_data_columns=['messages']", "hf_path=json", f"hf_train_files={path}", "vocab_size=512",
+                f"tokenizer_path={files}/hf/tokenizer.json", "tokenizer_type=huggingface", "override_model_config=true",
+                "per_device_batch_size=2", *extra)  # fmt: skip
+
+
+def _first_batch_or_error(cfg, check=True):
+  """The first batch of the data layer train.py uses (check(), then create_iterator), within a deadline."""
+  import jax
+
+  from MaxText import input_pipeline, sharding
+
+  with deadline(60):
+    if check:
+      input_pipeline.check(cfg)
+    return next(input_pipeline.create_iterator(cfg, sharding.create_mesh(cfg, jax.devices()[:1])))
+
+
+def test_data_of_which_no_record_fits_is_one_error_not_a_spin(files, tmp_path):
+  """20 conversations of 200 words, max_target_length=64: check() refuses them before the run, and an iterator made
+  without check() raises the same error instead of reading forever. The length named is the shortest prompt as
+  transformers tokenizes it (the first target in the loss); one token less is still refused, at it a batch comes."""
+  records = _long_conversations()
+  _write_jsonl(tmp_path / "long.jsonl", records)
+  reference = _reference(files, CHATML)
+  shortest = min(len(reference.apply_chat_template(r["messages"][:1], add_generation_prompt=True)["input_ids"])
+                 for r in records)  # fmt: skip
+  assert shortest > 64
+  want = f"no record of hf_train_files={tmp_path}/long.jsonl fits max_target_length=64; the shortest needs {shortest} tokens"
+  for check in (True, False):
+    with pytest.raises(ConfigError, match=re.escape(want)):
+      _first_batch_or_error(_hf_sft_config(files, tmp_path / "long.jsonl"), check=check)
+  with pytest.raises(ConfigError, match=f"fits max_target_length={shortest - 1};"):
+    _first_batch_or_error(_hf_sft_config(files, tmp_path / "long.jsonl", f"max_target_length={shortest - 1}"))
+  batch = _first_batch_or_error(_hf_sft_config(files, tmp_path / "long.jsonl", f"max_target_length={shortest}"))
+  assert np.asarray(batch["targets_segmentation"]).any()
+
+
+def test_records_without_a_loss_target_are_one_error(files, tmp_path):
+  """Plain prompt + completion with an empty completion and add_eos=false: no target in the loss at any length."""
+  _write_jsonl(tmp_path / "empty.jsonl", [{"prompt": f"Which book? {i}", "completion": ""} for i in range(5)])
+  cfg = _hf_sft_config(files, tmp_path / "empty.jsonl", "use_chat_template=false", "add_eos=false",
+                       "train_data_columns=['prompt','completion']")  # fmt: skip
+  for check in (True, False):
+    with pytest.raises(ConfigError, match=f"no record of hf_train_files={tmp_path}/empty.jsonl has a target in the loss"):
+      _first_batch_or_error(cfg, check=check)
+
+
+@pytest.mark.parametrize(
+  "record, message",
+  [
+    ({"prompt": None, "completion": "x"}, "column 'prompt' is null, not a string"),
+    ({"prompt": "x", "completion": 3}, "column 'completion' is 3, not a string"),
+    ({"prompt": "x", "completion": ["a"]}, "column 'completion' is [\"a\"], not a string"),
+  ],
+)
+def test_plain_columns_of_another_type_name_the_column(files, record, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    _conversation(files, None, tokenizer="spm", columns=("prompt", "completion"))(record)
+
+
+@pytest.mark.parametrize(
+  "content, message",
+  [
+    (b"hello world\nthis is not json\n", "long.jsonl line 1 is not JSON"),
+    (b'{"messages": []}\n{"messages": [}\n', "long.jsonl line 2 is not JSON"),
+    (b"[1, 2]\n", "long.jsonl line 1 is a JSON list, not an object of columns"),
+    (b"\x00" * 64 + b"\n", "long.jsonl line 1 is not JSON"),
+    (bytes(range(255, -1, -1)) * 4, "long.jsonl line 1 is not UTF-8 (byte 0"),
+    (b"\n \n\n", "long.jsonl holds no records"),
+    (b'[{"messages": [}]', "long.jsonl is not JSON"),
+  ],
+  ids=["text", "bad-line-2", "array", "nul", "binary", "blank", "bad-array"],
+)
+def test_a_data_file_that_is_not_json_lines_is_one_line_naming_it(files, tmp_path, content, message):
+  (tmp_path / "long.jsonl").write_bytes(content)
+  with pytest.raises(ConfigError) as error:
+    _first_batch_or_error(_hf_sft_config(files, tmp_path / "long.jsonl"))
+  text = str(error.value)
+  assert message in text and "\n" not in text and "write one JSON object per line" in text, text
+  assert text.startswith(f"hf_train_files={tmp_path}/long.jsonl "), text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
+def test_a_data_path_that_is_not_a_regular_file_is_never_opened(files, tmp_path, kind):
+  path = {"fifo": tmp_path / "data.jsonl", "dev-zero": "/dev/zero", "folder": tmp_path}[kind]
+  if kind == "fifo":
+    os.mkfifo(path)
+  with pytest.raises(ConfigError) as error:
+    _first_batch_or_error(_hf_sft_config(files, path))
+  words = {"fifo": "is not a regular file (it is a FIFO)", "dev-zero": "is not a regular file (it is a character device)",
+           "folder": "matches the folder"}  # fmt: skip
+  assert words[kind] in str(error.value)
+  with pytest.raises(ConfigError, match="chat_template_path=/dev/zero is not a regular file"):
+    sft.find_template("", "/dev/zero", str(files / "hf/tokenizer.json"))
+
+
+def test_check_names_the_record_it_refuses(files, tmp_path):
+  records = _records(6)
+  records[4] = {"messages": [{"role": "user", "content": "hello"}]}
+  _write_jsonl(tmp_path / "train.jsonl", records)
+  with pytest.raises(ConfigError) as error:
+    _first_batch_or_error(_hf_sft_config(files, tmp_path / "train.jsonl"))
+  assert str(error.value).startswith("train_data_columns: a conversation has no assistant turn")
+  assert str(error.value).endswith(f"(record 5 of hf_train_files={tmp_path}/train.jsonl)")
