@@ -13,15 +13,20 @@ when the run restarts. What a run starts from, first match wins:
   4. a fresh init from init_weights_seed.
 
 Every checkpoint also records a checksum of each array, and its data state carries its own (integrity.py);
-restoring verifies them. On resume a checkpoint that cannot be read or fails verification is skipped, with the
-reason in the log, for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an
-error.
+restoring verifies them. A checkpoint without checksums is damaged too when it was saved with them (its Orbax
+metadata names them, or its folder for them is there) or when an earlier checkpoint of its folder has them;
+only a checkpoint of a run older than checksums (none before it has any) is restored unverified, and the log
+says so. On resume a checkpoint that cannot be read or fails verification is skipped, with the reason in the
+log, for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an error.
 """
 
 import dataclasses
 import errno
+import gc
 import json
 import re
+import sys
+import traceback
 
 import jax
 import numpy as np
@@ -225,7 +230,25 @@ class Damaged(ConfigError):
 
 
 def _error_text(error: BaseException) -> str:
-  return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+  # Orbax's read error formats TensorStore's spec method instead of calling it ("<bound method ...spec of ...>").
+  text = re.sub(r"\s*See full TensorStore details: <bound method .*", "", " ".join(str(error).split()))
+  return f"{type(error).__name__}: {text[:200]}"
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  """The innermost error `error` was raised from (TensorStore's, under Orbax's wrapper)."""
+  seen = {id(error)}
+  while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+    seen.add(id(inner))
+    error = inner
+  return error
+
+
+# TensorStore's read error: `OUT_OF_RANGE: Error reading "params.x.kernel/0.1" in OCDBT database at local file
+# "RUN/checkpoints/5/items/": Requested byte range [38372, 40308) is not valid for value of size 27705`.
+_STORE_READ = re.compile(
+  r'(?:(?P<code>[A-Z_]+): )?Error reading "(?P<key>[^"]+)" in \w+ database at (?P<store>.+?): (?P<why>.*)'
+)
 
 
 def _metadata(path: str):
@@ -239,14 +262,49 @@ def _metadata(path: str):
 
 
 def _recorded_checksums(items: str) -> dict | None:
-  """The integrity.record saved beside the checkpoint's `items` folder; None for a checkpoint saved without one."""
-  path = storage.join(storage.dirname(items), CHECKSUM_ITEM, "metadata")
+  """The integrity.record saved beside the checkpoint's `items` folder; None for a checkpoint saved without one
+  (one older than checksums). Damaged when it lacks them although it was saved with them (see _saved_with_checksums)."""
+  step_dir = storage.dirname(items)
+  path = storage.join(step_dir, CHECKSUM_ITEM, "metadata")
   if not storage.exists(path):
+    evidence = _saved_with_checksums(step_dir)
+    if evidence:
+      raise Damaged(step_dir, f"its checksums ({CHECKSUM_ITEM}/metadata) are missing, though {evidence}")
     return None
   try:
     return json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
     raise Damaged(storage.dirname(items), f"its checksums cannot be read ({_error_text(e)})") from None
+
+
+def _saved_with_checksums(step_dir: str) -> str | None:
+  """Why checkpoint `step_dir` must have checksums, or None: its own Orbax metadata names a checksums item, or its
+  checksums folder exists, or an earlier checkpoint of the same folder has checksums (saved by a version that
+  records them, as every later one is). A run older than checksums has none anywhere; a run that was upgraded has
+  them only from some step on, so only earlier steps count."""
+  if storage.isdir(storage.join(step_dir, CHECKSUM_ITEM)):
+    return f"its {CHECKSUM_ITEM} folder exists"
+  try:
+    handlers = json.loads(storage.read_text(storage.join(step_dir, "_CHECKPOINT_METADATA"))).get("item_handlers") or {}
+  except (OSError, ValueError, AttributeError):
+    handlers = {}  # None written (an imported model) or unreadable: the other evidence decides.
+  if CHECKSUM_ITEM in handlers:
+    return "its _CHECKPOINT_METADATA says it was saved with them"
+  step = _step_of(step_dir.rstrip("/").rsplit("/", 1)[-1])
+  if step is None:
+    return None
+  parent = storage.dirname(step_dir)
+  earlier = sorted((s, n) for n in storage.listdir(parent) if (s := _step_of(n)) is not None and s < step)
+  for _, other in reversed(earlier):  # the nearest first: on a bucket each look is a request
+    if storage.exists(storage.join(parent, other, CHECKSUM_ITEM, "metadata")):
+      return f"the earlier checkpoint {storage.join(parent, other)} has them"
+  return None
+
+
+def _step_of(name: str) -> int | None:
+  """The step of a checkpoint folder's name: <step>, or <step>.damaged once set aside."""
+  head = name.split(".", 1)[0]
+  return int(head) if head.isdigit() else None
 
 
 def verify(items: str, tree) -> str:
@@ -317,15 +375,12 @@ def _restore_tree(path: str, target):
 
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   as_stored = _in_stored_dtypes(path, target)
-  try:
-    restored = checkpointer.restore(
-      path,
-      args=ocp.args.PyTreeRestore(
-        item=as_stored, restore_args=ocp.checkpoint_utils.construct_restore_args(as_stored), partial_restore=True
-      ),
-    )
-  except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
-    raise _unreadable(storage.dirname(path), e) from None
+  args = ocp.args.PyTreeRestore(
+    item=as_stored, restore_args=ocp.checkpoint_utils.construct_restore_args(as_stored), partial_restore=True
+  )
+  restored, damage = _read_arrays(storage.dirname(path), lambda: checkpointer.restore(path, args=args))
+  if damage:
+    raise damage
   verify(path, restored)
   return _cast_like(restored, target)
 
@@ -352,8 +407,59 @@ def _cast_like(tree, target):
   return cast(tree)
 
 
+def _read_arrays(where: str, restore):
+  """(restore(), None), or (None, Damaged) when Orbax cannot read the arrays of checkpoint `where` (its metadata
+  matched the config, so a failure to read is damage)."""
+  drop_abandoned_io()  # (before: some are printed while Orbax is still failing)
+  try:
+    return restore(), None
+  except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
+    damage = _unreadable(where, e)
+  gc.collect()  # Orbax's abandoned reads are closed now that the error is let go, not at some later moment.
+  return None, damage
+
+
+def drop_abandoned_io() -> None:
+  """When one array read or write fails, Orbax leaves the others: each pending read raises again as it is closed
+  (it catches BaseException), and each TensorStore callback of a finished one finds its event loop closed. Python
+  prints every one as `Exception ignored in: ...`, hundreds of lines with TensorStore specs for one damaged file,
+  from Orbax's and TensorStore's threads at any later moment; and a full disk's error comes again from writers
+  that flush at exit (TensorBoard's). So from the first restore (or the start of a command) on, a
+  sys.unraisablehook drops those echoes (the failure itself is reported in one line) and hands anything else to
+  the hook it replaced."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_abandoned_io", False):
+    return
+
+  def abandoned(unraisable) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None:
+      return "orbax" in code.co_filename
+    if out_of_space(unraisable.exc_value):
+      return True
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    return unraisable.object is None and closed and bool(frames) and frames[0].name == "call_soon_threadsafe"
+
+  def hook(unraisable):
+    if not abandoned(unraisable):
+      previous(unraisable)
+
+  hook.drops_abandoned_io = True
+  sys.unraisablehook = hook
+
+
 def _unreadable(where: str, error: Exception) -> "Damaged":
-  return Damaged(where, f"its arrays cannot be read ({_error_text(error)})")
+  """Damaged, naming the array whose stored bytes could not be read and where they are stored, when TensorStore
+  says (a data file cut short or overwritten)."""
+  root = _root_cause(error)
+  read = _STORE_READ.search(" ".join(str(root).split()))
+  if read is None:
+    return Damaged(where, f"its arrays cannot be read ({_error_text(root)})")
+  name, why = read["key"].rsplit("/", 1)[0], f"{read['code']}: {read['why']}" if read["code"] else read["why"]
+  return Damaged(
+    where, f"its array {name} cannot be read from {read['store']}: a data file is truncated or damaged ({why[:160]})"
+  )
 
 
 def check_start_paths(config: Config, layout: StateLayout) -> None:
@@ -422,10 +528,10 @@ def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
   target = {"params": jax.tree_util.tree_map(lambda _: 0, abstract_params)}
   args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-  try:
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
-  except Exception as e:  # noqa: BLE001 (its metadata matched: a failure to read is damage)
-    raise _unreadable(storage.dirname(path), e) from None
+  restore = ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True)
+  restored, damage = _read_arrays(storage.dirname(path), lambda: checkpointer.restore(path, args=restore))
+  if damage:
+    raise damage
   verify(path, restored)
   return restored["params"], path
 
@@ -531,17 +637,17 @@ def _restore_step(config: Config, manager, step: int, where: str, layout: StateL
   damage = None
   try:
     check_compatible(items, layout.abstract)  # A config that does not match is an error, not damage.
+    _recorded_checksums(items)  # Checksums it should have but lacks: damaged, found before reading its arrays.
     if config.dataset_type != "synthetic":
       _verify_data_file(where)
   except Damaged as e:
     damage = e
   agree(damage)
   as_stored = _in_stored_dtypes(items, layout.abstract)
-  try:
-    state = manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(as_stored)}))[ITEM]
-  except Exception as e:  # noqa: BLE001 (its metadata matched the config: a failure to read is damage)
-    damage = _unreadable(where, e)
+  args = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(as_stored)})
+  restored, damage = _read_arrays(where, lambda: manager.restore(step, args=args))
   agree(damage)
+  state = restored[ITEM]
   verified = verify(items, state)  # A global computation: the same verdict on every process.
   return _cast_like(state, layout.abstract), verified
 

@@ -156,12 +156,6 @@ def convert(config: Config, argv: list[str]) -> str:
     raise ConfigError(f"model_name={config.model_name}: the importer takes the model from config.json; drop model_name")
   folder = os.path.expanduser(config.hf_model_path)
   keys = families.model_keys_from_hf(read_hf_config(folder))
-  if storage.is_remote(config.base_output_directory):
-    raise ConfigError(
-      f"base_output_directory={config.base_output_directory}: the importer writes to a local folder (it stages the "
-      "checkpoint and renames it into place); import locally, then copy the run folder to the bucket "
-      "(gsutil -m cp -r) and load it from there"
-    )
   target = os.path.join(checkpointing.checkpoint_dir(config), "0")
   if os.path.exists(target):
     raise ConfigError(f"{target} already exists; choose another run_name (an existing checkpoint is never overwritten)")
@@ -194,8 +188,22 @@ def convert(config: Config, argv: list[str]) -> str:
   return items
 
 
+def load_config(args: list[str]) -> Config:
+  """The importer's config: a bucket as base_output_directory is refused before its access is checked."""
+  config = cli.load_config(args)
+  if storage.is_remote(config.base_output_directory):
+    raise ConfigError(
+      f"base_output_directory={config.base_output_directory}: the importer writes to a local folder (it stages the "
+      "checkpoint and renames it into place); import locally, then copy the run folder to the bucket "
+      "(gsutil -m cp -r) and load it from there"
+    )
+  checkpointing.run_dir(config)  # What load_config(writes_run_dir=True) checks, from here on.
+  cli.check_output_paths(config)
+  return config
+
+
 def main(argv) -> int:
-  return cli.run_cli(lambda config: convert(config, argv), argv, writes_run_dir=True)
+  return cli.run_cli(lambda config: convert(config, argv), argv, load=load_config)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import numpy as np
 
 from MaxText import checkpointing, cli, families, lora, state
 from MaxText.common_types import Config, ConfigError
-from MaxText.convert import get, hf_families, peft, staged
+from MaxText.convert import get, hf_families, new_file_mode, peft, staged
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
@@ -60,6 +60,7 @@ def write_shards(folder: str, tensors, max_bytes: int) -> int:
     if current:
       name = f"part-{len(shards):05d}.safetensors"
       save_file(current, os.path.join(folder, name), metadata={"format": "pt"})
+      os.chmod(os.path.join(folder, name), new_file_mode())  # as open() makes config.json (save_file: 0o600)
       shards.append((name, list(current)))
       current, size = {}, 0
 

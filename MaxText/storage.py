@@ -5,12 +5,21 @@ Local paths go straight to os and open(). URLs go through etils.epath, which rea
 gcsfs (gcsfs and google-cloud-storage honour STORAGE_EMULATOR_HOST, so tests run against a local emulator).
 Checkpoint arrays never pass here: Orbax writes them through TensorStore, which reads TENSORSTORE_GCS_HTTP_URL.
 A bucket has no folders: a "folder" exists once something is written under it, and making one is a no-op.
+check_access asks a gs:// bucket, before a run writes anything, whether it is reachable, exists and accepts the
+credentials, so a run that could not use it stops in seconds with one line instead of after a minute of retries.
 """
 
 import io
+import json
 import os
 import posixpath
+import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from MaxText.common_types import ConfigError
 
 
 def is_remote(path: str) -> bool:
@@ -150,3 +159,144 @@ class AppendedText:
       self._upload()
     else:
       self.file.close()
+
+
+GCS_ENDPOINT = "https://storage.googleapis.com"
+ACCESS_TIMEOUT = 4.0  # seconds per request of check_access
+ACCESS_DEADLINE = 10.0  # seconds for all of check_access (finding and refreshing credentials included)
+_LOGIN = "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
+
+
+def check_access(key: str, url: str, write: bool) -> None:
+  """Before a run writes anything: ConfigError, one line naming `key`, the bucket, what failed and the fix, unless
+  the bucket of the gs:// `url` answers within seconds, with credentials it accepts, exists, and (write) lets them
+  create objects. Nothing is written: the checks are a listing of at most one object name and, for write, an IAM
+  permission test. A local path, or a URL of another scheme, is left as it is.
+
+  The endpoint is where gcsfs and google-cloud-storage go: STORAGE_EMULATOR_HOST (an emulator, used without
+  credentials), else Google Cloud Storage with the application default credentials (google.auth.default)."""
+  if not url.startswith("gs://"):
+    return
+  shown = _cut(url)
+  bucket, _, prefix = url[len("gs://") :].partition("/")
+  if not bucket:
+    raise ConfigError(f"{key}={shown} names no bucket; give gs://BUCKET/PATH")
+  stage = ["looking for Google Cloud credentials"]  # what the check is doing, for a deadline's message
+  outcome: list[BaseException] = []
+
+  def work():
+    try:
+      _check_bucket(bucket, prefix, write, stage)
+    except BaseException as e:  # noqa: BLE001 (handed to the calling thread)
+      outcome.append(e)
+
+  worker = threading.Thread(target=work, name="check_access", daemon=True)  # a hung lookup cannot hold the run
+  worker.start()
+  worker.join(ACCESS_DEADLINE)
+  if worker.is_alive():
+    raise ConfigError(
+      f"{key}={shown}: bucket {bucket} is unreachable: no answer within {ACCESS_DEADLINE:g} s while {stage[0]}; "
+      "check the network (or STORAGE_EMULATOR_HOST), or use a local path"
+    )
+  if outcome and isinstance(outcome[0], _AccessDenied):
+    raise ConfigError(f"{key}={shown}: {outcome[0]}") from None
+  if outcome:
+    raise outcome[0]
+
+
+class _AccessDenied(Exception):
+  """What check_access found wrong with a bucket, and the fix: the text after `key=url: `."""
+
+
+def _check_bucket(bucket: str, prefix: str, write: bool, stage: list[str]) -> None:
+  emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+  endpoint = (emulator if "://" in emulator else f"http://{emulator}") if emulator else GCS_ENDPOINT
+  headers, missing = {}, None  # missing: why there are no credentials, when there are none
+  if not emulator:
+    token, missing = _access_token(bucket, stage)
+    if token:
+      headers["Authorization"] = f"Bearer {token}"
+  if missing and write:  # No bucket takes anonymous writes: nothing to ask the endpoint.
+    raise _AccessDenied(f"no Google Cloud credentials to write to bucket {bucket} ({missing}); {_LOGIN}")
+  stage[0] = f"reaching {endpoint}"
+  api = f"{endpoint.rstrip('/')}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}"
+  status, body = _get(f"{api}/o?{urllib.parse.urlencode({'maxResults': 1, 'prefix': prefix, 'fields': 'kind'})}", headers)
+  if status is None:
+    raise _AccessDenied(
+      f"bucket {bucket} is unreachable: {endpoint} does not answer ({body}); check the network (or "
+      "STORAGE_EMULATOR_HOST), or use a local path"
+    )
+  if status == 404:
+    raise _AccessDenied(
+      f"bucket {bucket} does not exist at {endpoint}; fix the name, or create it (gcloud storage buckets create "
+      f"gs://{bucket})"
+    )
+  if missing and status in (401, 403):
+    raise _AccessDenied(f"no Google Cloud credentials to read bucket {bucket} ({missing}); {_LOGIN}")
+  if status == 401:
+    raise _AccessDenied(f"bucket {bucket} refused the credentials (HTTP 401: {body}); {_LOGIN}")
+  if status == 403:
+    raise _AccessDenied(
+      f"these credentials may not read bucket {bucket} (HTTP 403: {body}); grant them roles/storage.objectViewer "
+      "on it (objectAdmin to write), or use another bucket"
+    )
+  if status != 200 or not write:  # (A server error is left to the storage library, which retries.)
+    return
+  status, body = _get(f"{api}/iam/testPermissions?permissions=storage.objects.create", headers)
+  try:
+    answer = json.loads(body) if status == 200 else {}
+  except ValueError:
+    answer = {}
+  granted = answer.get("permissions", []) if isinstance(answer, dict) else []
+  if isinstance(answer, dict) and answer.get("kind") == "storage#testIamPermissionsResponse":
+    if "storage.objects.create" not in granted:  # (Any other answer: not known cheaply; the first write tells.)
+      raise _AccessDenied(
+        f"these credentials may not write to bucket {bucket} (they lack storage.objects.create); grant them "
+        "roles/storage.objectAdmin on it, or use another path"
+      )
+
+
+def _access_token(bucket: str, stage: list[str]) -> tuple[str | None, str | None]:
+  """(an access token of the application default credentials, None), or (None, why there are none: gcsfs then
+  goes on anonymously, which a public bucket allows for reading); _AccessDenied when they are refused."""
+  import google.auth
+  import google.auth.exceptions
+  import google.auth.transport.requests
+
+  try:
+    credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+  except google.auth.exceptions.DefaultCredentialsError as e:
+    return None, _cut(e)
+  stage[0] = "refreshing the Google Cloud credentials"
+  session = google.auth.transport.requests.Request()
+
+  def request(*args, timeout=None, **kwargs):  # google.auth's own default is 120 s
+    return session(*args, timeout=ACCESS_TIMEOUT, **kwargs)
+
+  try:
+    credentials.refresh(request)
+  except google.auth.exceptions.RefreshError as e:
+    raise _AccessDenied(f"the Google Cloud credentials for bucket {bucket} were refused ({_cut(e)}); {_LOGIN}") from None
+  except google.auth.exceptions.TransportError as e:
+    raise _AccessDenied(
+      f"bucket {bucket} is unreachable: the Google Cloud credentials could not be refreshed ({_cut(e)}); check the "
+      "network, or use a local path"
+    ) from None
+  return credentials.token, None
+
+
+def _get(url: str, headers: dict) -> tuple[int | None, str]:
+  """(HTTP status, body cut short) of a GET with a short timeout; (None, why) when nothing answers."""
+  try:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=ACCESS_TIMEOUT) as response:
+      return response.status, response.read(4096).decode("utf-8", "replace")
+  except urllib.error.HTTPError as e:
+    return e.code, _cut(e.read(4096).decode("utf-8", "replace"))
+  except OSError as e:  # URLError, a refused connection, a timeout
+    return None, _cut(getattr(e, "reason", e))
+
+
+def _cut(text, limit: int = 120) -> str:
+  """`text` on one line, cut to `limit` characters."""
+  text = " ".join(str(text).split())
+  return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -17,7 +17,7 @@ import numpy as np
 
 from MaxText import lora
 from MaxText.common_types import Config, ConfigError
-from MaxText.convert import get, hf_families, put
+from MaxText.convert import get, hf_families, new_file_mode, put
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -62,6 +62,7 @@ def write_adapter(folder: str, config: Config, mapping: hf_families.HFMapping, a
     raise ConfigError(f"lora_target_modules={list(config.lora_target_modules)}: this model has no adapters to export")
   modules = sorted({name.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for name in tensors})
   save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
+  os.chmod(os.path.join(folder, WEIGHTS_FILE), new_file_mode())  # as open() makes adapter_config.json
   settings = {
     "peft_type": "LORA",
     "task_type": "CAUSAL_LM",

@@ -2,7 +2,12 @@
 
 import contextlib
 import dataclasses
+import gc
+import json
 import os
+import re
+import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, optimizers, sharding
+from MaxText import checkpointing, integrity, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
@@ -441,3 +446,95 @@ def test_a_config_mismatch_is_an_error_not_damage(tmp_path, env):
   with _manager(wider) as manager:
     message = _one_line_error(checkpointing.restore_or_init, wider, manager, model, env.tx, layout)
   assert "damaged" not in message and "use the model config it was saved with" in message
+
+
+def _drop_checksums(step_dir: str, from_orbax_metadata: bool = False) -> None:
+  """Removes a checkpoint's checksums folder; from_orbax_metadata: their entry in Orbax's _CHECKPOINT_METADATA too,
+  which leaves what a version older than checksums saved."""
+  shutil.rmtree(os.path.join(step_dir, checkpointing.CHECKSUM_ITEM))
+  if from_orbax_metadata:
+    path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+    with open(path) as f:
+      metadata = json.load(f)
+    del metadata["item_handlers"][checkpointing.CHECKSUM_ITEM]
+    with open(path, "w") as f:
+      json.dump(metadata, f)
+
+
+@pytest.mark.parametrize("evidence", ["own metadata", "earlier checkpoint"])
+def test_a_checkpoint_that_lost_its_checksums_is_damaged(tmp_path, env, evidence):
+  """An altered checkpoint whose checksums folder is gone is not restored unverified: resume skips it like a
+  mismatch, and as load_parameters_path it is an error. The evidence that it had checksums: Orbax's metadata of
+  the checkpoint itself, or else the earlier checkpoint of the run that has them."""
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert _save(cfg, env.variant(2)) and _save(cfg, env.variant(5))
+  newest = os.path.join(checkpointing.checkpoint_dir(cfg), "5")
+  flip_a_stored_bit(newest, "params.decoder_norm.scale")
+  _drop_checksums(newest, from_orbax_metadata=evidence == "earlier checkpoint")
+  why = {
+    "own metadata": "its _CHECKPOINT_METADATA says it was saved with them",
+    "earlier checkpoint": f"the earlier checkpoint {tmp_path}/r/checkpoints/2 has them",
+  }[evidence]
+  reason = f"checkpoint {newest} is damaged: its checksums (checksums/metadata) are missing, though {why}"
+
+  params_only = _cfg(tmp_path, "run_name=other", f"load_parameters_path={newest}/items")
+  assert _one_line_error(checkpointing.load_params, params_only, env.mesh, jnp.float32) == reason
+  start = _start(cfg, env)
+  assert start.source.startswith(f"resumed from {tmp_path}/r/checkpoints/2 (") and "arrays verified" in start.source
+  assert_trees_equal(start.state, env.variant(2))
+  assert start.skipped == (f"{reason}; set aside as {newest}.damaged",)
+  set_aside = _cfg(tmp_path, "run_name=other", f"load_full_state_path={newest}.damaged/items")
+  assert "its checksums (checksums/metadata) are missing" in _one_line_error(_start, set_aside, env)
+
+
+def test_checkpoints_saved_before_checksums_still_load(tmp_path, env):
+  """A run older than checksums resumes, unverified as the log says; in a run upgraded since, only its later
+  checkpoints have checksums, and the older ones still load when a later one is damaged."""
+  cfg = _cfg(tmp_path, "run_name=old")
+  assert _save(cfg, env.variant(2)) and _save(cfg, env.variant(5))
+  for step in ("2", "5"):
+    _drop_checksums(os.path.join(checkpointing.checkpoint_dir(cfg), step), from_orbax_metadata=True)
+  start = _start(cfg, env)
+  assert start.source == f"resumed from {tmp_path}/old/checkpoints/5 (saved without checksums, not verified)"
+  assert_trees_equal(start.state, env.variant(5))
+  assert start.skipped == ()
+
+  upgraded = _cfg(tmp_path, "run_name=upgraded")
+  assert _save(upgraded, env.variant(2)) and _save(upgraded, env.variant(5))
+  _drop_checksums(os.path.join(checkpointing.checkpoint_dir(upgraded), "2"), from_orbax_metadata=True)
+  flip_a_stored_bit(os.path.join(checkpointing.checkpoint_dir(upgraded), "5"), "params.decoder_norm.scale")
+  start = _start(upgraded, env)
+  assert start.source == f"resumed from {tmp_path}/upgraded/checkpoints/2 (saved without checksums, not verified)"
+  assert_trees_equal(start.state, env.variant(2))
+  assert "params.decoder_norm.scale differs from what was saved" in start.skipped[0]
+
+
+def test_a_truncated_array_file_names_the_array_it_holds(tmp_path, env, monkeypatch):
+  """One array data file cut to half its size (a copy cut short): the reason names an array of the state, the
+  checkpoint's items folder and the file's new size, and has no Python object's repr in it; the reads Orbax
+  abandoned print nothing (each was an `Exception ignored in: <coroutine ...>` of ~60 lines on stderr)."""
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert _save(cfg, env.variant(2)) and _save(cfg, env.variant(5))
+  newest = os.path.join(checkpointing.checkpoint_dir(cfg), "5")
+  largest = array_files(newest)[0]
+  os.truncate(largest, os.path.getsize(largest) // 2)
+  size = os.path.getsize(largest)
+
+  start = _start(cfg, env)
+  assert_trees_equal(start.state, env.variant(2))
+  [skipped] = start.skipped
+  pattern = (
+    rf'checkpoint {re.escape(newest)} is damaged: its array (\S+) cannot be read from local file "{re.escape(newest)}/'
+    rf'items/": a data file is truncated or damaged \(OUT_OF_RANGE: Requested byte range \[\d+, \d+\) is not valid '
+    rf"for value of size {size}\); set aside as {re.escape(newest)}\.damaged"
+  )
+  named = re.fullmatch(pattern, skipped)
+  assert named, skipped
+  assert named[1] in {integrity.leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(env.layout.abstract)}
+  full = _cfg(tmp_path, "run_name=full", f"load_full_state_path={newest}.damaged/items")
+  message = _one_line_error(_start, full, env)
+  assert "a data file is truncated or damaged" in message and "bound method" not in message, message
+  gc.collect()
+  assert [(repr(u.object)[:80], str(u.exc_value)[:200], u.err_msg) for u in unraisable] == []

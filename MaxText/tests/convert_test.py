@@ -6,6 +6,7 @@ transformers itself is in hf_checkpoint_test.py).
 
 import json
 import os
+import stat
 
 import jax
 import numpy as np
@@ -126,8 +127,7 @@ def test_bad_hugging_face_folder_exits_2_with_one_line_and_writes_nothing(case, 
   assert _import(folder, out) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
-  leftovers = os.listdir(out / "imported" / "checkpoints") if (out / "imported" / "checkpoints").exists() else []
-  assert leftovers == []
+  assert not out.exists(), sorted(str(p.relative_to(tmp_path)) for p in out.rglob("*"))  # not even empty folders
 
 
 def test_existing_checkpoint_is_never_overwritten(trained, tmp_path, capsys):
@@ -166,6 +166,62 @@ def test_export_refuses_a_folder_it_cannot_create(trained, tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "a_file is a file, so no folder can be made there" in err[0], err
   assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_a_refused_import_keeps_the_folders_that_were_there(trained, tmp_path, capsys):
+  """Only what the import made is removed: an existing run folder (with a file of its own) stays as it was."""
+  _, _, hf = trained
+  folder = _copy(hf, str(tmp_path / "hf"))
+  _edit_config(folder, intermediate_size=48)
+  (tmp_path / "out" / "imported").mkdir(parents=True)
+  (tmp_path / "out" / "imported" / "notes.txt").write_text("mine")
+  assert _import(folder, tmp_path / "out") == 2
+  assert "has shape" in capsys.readouterr().err
+  assert sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*")) == [
+    "imported",
+    os.path.join("imported", "notes.txt"),
+  ]
+
+
+@pytest.mark.parametrize("umask, shard_mb, weights", [(0o022, 5000, ["model.safetensors"]), (0o027, 0, None)])
+def test_exported_files_get_the_mode_open_gives_under_the_umask(trained, tmp_path, umask, shard_mb, weights):
+  """safetensors writes its files 0o600; the export's files all get what open() gives (0o666 less the umask), the
+  weights as readable as config.json beside them (one model.safetensors, or shards of one tensor each)."""
+  _, items, _ = trained
+  argv = ["export", BASE_YML, "model_name=tiny", f"load_full_state_path={items}", "jax_cache_dir="]
+  previous = os.umask(umask)
+  try:
+    assert (
+      convert_to_hf_checkpoint.main([*argv, f"hf_model_path={tmp_path / 'hf'}", f"hf_max_shard_size_mb={shard_mb}"]) == 0
+    )
+  finally:
+    os.umask(previous)
+  names = sorted(os.listdir(tmp_path / "hf"))
+  shards = [n for n in names if n.endswith(".safetensors")]
+  assert "config.json" in names and (shards == weights if weights else len(shards) > 1), names
+  modes = {name: oct(stat.S_IMODE(os.stat(tmp_path / "hf" / name).st_mode)) for name in names}
+  assert modes == dict.fromkeys(names, oct(0o666 & ~umask))
+
+
+def test_a_peft_adapter_folder_gets_the_mode_open_gives(tmp_path):
+  """hf_lora_export=adapter: adapter_model.safetensors (safetensors: 0o600) as readable as adapter_config.json."""
+  from MaxText import families, lora, state
+  from MaxText.convert import peft
+
+  cfg = config("lora_rank=2")
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), state.abstract_params(cfg))
+  adapters = lora.partition(params)[0]
+  previous = os.umask(0o027)
+  try:
+    count = peft.write_adapter(
+      str(tmp_path), cfg, families.hf_mapping(cfg), adapters, lambda p, i: families.param_path(cfg, p, i)
+    )
+  finally:
+    os.umask(previous)
+  assert count == 2 * 7 * cfg.num_decoder_layers  # lora_a and lora_b of 7 projections per layer
+  modes = {name: oct(stat.S_IMODE(os.stat(tmp_path / name).st_mode)) for name in os.listdir(tmp_path)}
+  assert modes == dict.fromkeys([peft.CONFIG_FILE, peft.WEIGHTS_FILE], oct(0o640))
 
 
 def test_large_tensors_are_imported_in_row_blocks_exactly(trained, tmp_path, monkeypatch):

@@ -1,17 +1,28 @@
 """gs:// for real, against a GCS emulator on loopback (gcs.py): a run checkpoints to a bucket, is killed with
 kill -9, and resumes from the bucket with the uninterrupted run's losses; config.yml, the metrics (gcs_metrics),
-TensorBoard events and checksums land in the bucket; decode.py and the Hugging Face export read from it."""
+TensorBoard events and checksums land in the bucket; decode.py and the Hugging Face export read from it.
 
+storage.check_access, before a run writes anything: a bucket that exists passes; a missing bucket, an endpoint
+that does not answer, missing or refused credentials and a missing write permission are one line each, within
+seconds. No test reaches a real cloud endpoint: the ones without an emulator refuse any connection off loopback."""
+
+import contextlib
+import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
+import google.auth
+import google.auth.exceptions
 import pytest
 
 from MaxText import storage, train_tokenizer
+from MaxText.common_types import ConfigError
 from MaxText.tests import gcs
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, overrides, run
 
@@ -107,3 +118,183 @@ def test_a_run_on_a_bucket_is_killed_and_resumes_from_it_exactly(bucket, tmp_pat
   storage.rename(f"{runs}/killed/checkpoints/300", f"{runs}/killed/checkpoints/300.damaged")
   assert "300" not in storage.listdir(f"{runs}/killed/checkpoints")
   assert "checksums" in storage.listdir(f"{runs}/killed/checkpoints/300.damaged")
+
+
+def _closed_port() -> int:
+  """A loopback port nothing listens on (bound, then released: connecting is refused)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture
+def loopback_only(monkeypatch):
+  """Any connection off loopback fails the test (google.auth's metadata probe, storage.googleapis.com)."""
+  connect = socket.socket.connect
+
+  def guarded(sock, address):
+    host = address[0] if isinstance(address, tuple) else address
+    assert host in ("127.0.0.1", "::1", "localhost"), f"a test tried to reach {address}"
+    return connect(sock, address)
+
+  monkeypatch.setattr(socket.socket, "connect", guarded)
+  for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+    monkeypatch.delenv(name, raising=False)
+
+
+def _access_error(key: str, url: str, write: bool) -> tuple[str, float]:
+  """check_access's one-line message and how many seconds it took."""
+  start = time.monotonic()
+  with pytest.raises(ConfigError) as e:
+    storage.check_access(key, url, write)
+  message = str(e.value)
+  assert "\n" not in message and message.startswith(f"{key}={url}: "), message
+  return message, time.monotonic() - start
+
+
+def test_check_access_on_the_emulator(bucket, monkeypatch):
+  url, _ = bucket
+  for name, value in gcs.client_env(url).items():
+    monkeypatch.setenv(name, value)
+  storage.check_access("base_output_directory", f"gs://{BUCKET}/runs", write=True)  # exists, writable: passes
+  storage.check_access("load_parameters_path", f"gs://{BUCKET}/runs/x/checkpoints/5/items", write=False)
+  message, _ = _access_error("base_output_directory", "gs://no-such-bucket/runs", True)
+  assert "bucket no-such-bucket does not exist" in message and "gcloud storage buckets create" in message
+  assert storage.listdir(f"gs://{BUCKET}/runs") == []  # nothing was written to check
+
+
+def test_check_access_leaves_local_paths_alone(tmp_path, loopback_only, monkeypatch):
+  monkeypatch.setattr(google.auth, "default", lambda **_: pytest.fail("a local path looked for credentials"))
+  storage.check_access("base_output_directory", str(tmp_path / "runs"), write=True)
+  assert os.listdir(tmp_path) == []
+
+
+def test_check_access_to_an_endpoint_that_is_not_there_is_unreachable(loopback_only, monkeypatch):
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{_closed_port()}")
+  message, seconds = _access_error("metrics_file", f"gs://{BUCKET}/m.jsonl", True)
+  assert f"bucket {BUCKET} is unreachable" in message and "Connection refused" in message, message
+  assert seconds < 5
+
+
+def test_check_access_without_credentials_never_calls_the_endpoint(loopback_only, monkeypatch):
+  def no_credentials(**_):
+    raise google.auth.exceptions.DefaultCredentialsError("Your default credentials were not found.")
+
+  monkeypatch.setattr(google.auth, "default", no_credentials)
+  message, seconds = _access_error("base_output_directory", f"gs://{BUCKET}/runs", True)
+  assert f"no Google Cloud credentials to write to bucket {BUCKET}" in message, message
+  assert "gcloud auth application-default login" in message and seconds < 5
+
+
+class _Credentials:
+  """What google.auth.default gives: refresh() sets a token, or raises RefreshError."""
+
+  def __init__(self, token="ya29.test", refused=False):
+    self.token, self.refused = None, refused
+    self._token = token
+
+  def refresh(self, request):
+    if self.refused:
+      raise google.auth.exceptions.RefreshError("invalid_grant: Token has been expired or revoked.")
+    self.token = self._token
+
+
+@contextlib.contextmanager
+def _fake_endpoint(answers: dict[str, tuple[int, dict]]):
+  """A loopback HTTP server answering GETs whose path starts with a key of `answers` with (status, JSON body);
+  yields (its URL, the Authorization headers it saw)."""
+  seen = []
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+      seen.append(self.headers.get("Authorization"))
+      status, body = next((a for p, a in answers.items() if self.path.startswith(p)), (404, {}))
+      data = json.dumps(body).encode()
+      self.send_response(status)
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+LIST = f"/storage/v1/b/{BUCKET}/o?"
+PERMISSIONS = f"/storage/v1/b/{BUCKET}/iam/testPermissions?"
+LISTED = (200, {"kind": "storage#objects"})
+
+
+@pytest.mark.parametrize(
+  "case, answers, credentials, write, expected",
+  [
+    ("refused token", {LIST: (401, {"error": {"message": "Invalid Credentials"}})}, _Credentials(), False,
+     f"bucket {BUCKET} refused the credentials (HTTP 401"),
+    ("refresh refused", {}, _Credentials(refused=True), True,
+     f"the Google Cloud credentials for bucket {BUCKET} were refused (invalid_grant"),
+    ("no read permission", {LIST: (403, {"error": {"message": "denied"}})}, _Credentials(), False,
+     f"these credentials may not read bucket {BUCKET} (HTTP 403"),
+    ("read-only", {LIST: LISTED, PERMISSIONS: (200, {"kind": "storage#testIamPermissionsResponse"})}, _Credentials(),
+     True, f"these credentials may not write to bucket {BUCKET} (they lack storage.objects.create)"),
+    ("private bucket, no credentials", {LIST: (401, {})}, None, False,
+     f"no Google Cloud credentials to read bucket {BUCKET}"),
+  ],
+)  # fmt: skip
+def test_check_access_with_credentials_the_endpoint_does_not_accept(
+  case, answers, credentials, write, expected, loopback_only, monkeypatch
+):
+  """Google Cloud Storage's answers, from a loopback stand-in for its endpoint."""
+
+  def default(**_):
+    if credentials is None:
+      raise google.auth.exceptions.DefaultCredentialsError("Your default credentials were not found.")
+    return credentials, "project"
+
+  monkeypatch.setattr(google.auth, "default", default)
+  with _fake_endpoint(answers) as (endpoint, seen):
+    monkeypatch.setattr(storage, "GCS_ENDPOINT", endpoint)
+    message, seconds = _access_error("base_output_directory", f"gs://{BUCKET}/runs", write)
+  assert expected in message and seconds < 5, message
+  assert all(header == (f"Bearer {credentials.token}" if credentials else None) for header in seen), seen
+
+
+def test_check_access_passes_what_the_endpoint_allows(loopback_only, monkeypatch):
+  granted = (200, {"kind": "storage#testIamPermissionsResponse", "permissions": ["storage.objects.create"]})
+  monkeypatch.setattr(google.auth, "default", lambda **_: (_Credentials(), "project"))
+  with _fake_endpoint({LIST: LISTED, PERMISSIONS: granted}) as (endpoint, seen):
+    monkeypatch.setattr(storage, "GCS_ENDPOINT", endpoint)
+    storage.check_access("base_output_directory", f"gs://{BUCKET}/runs", write=True)
+  assert seen == ["Bearer ya29.test"] * 2
+
+
+def test_check_access_gives_up_on_a_hung_credentials_lookup(loopback_only, monkeypatch):
+  """google.auth.default can wait on the GCE metadata server: the whole check is bounded."""
+  monkeypatch.setattr(google.auth, "default", lambda **_: time.sleep(30))
+  monkeypatch.setattr(storage, "ACCESS_DEADLINE", 0.5)
+  message, seconds = _access_error("base_output_directory", f"gs://{BUCKET}/runs", True)
+  assert "is unreachable: no answer within 0.5 s while looking for Google Cloud credentials" in message
+  assert seconds < 2
+
+
+def test_train_on_an_unreachable_bucket_exits_2_in_one_line_and_writes_nothing(tmp_path):
+  """train.py with base_output_directory on a bucket whose endpoint is not there: one line, exit 2, nothing
+  written locally (its metrics file, the working folder), instead of a minute of retries and tracebacks."""
+  env = {**os.environ, **gcs.client_env(f"http://127.0.0.1:{_closed_port()}"), "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  args = overrides("run_name=r", f"base_output_directory=gs://{BUCKET}/runs", f"metrics_file={tmp_path}/m.jsonl")
+  start = time.monotonic()
+  done = run([sys.executable, os.path.join(REPO_ROOT, "MaxText", "train.py"), BASE_YML, *args], env, cwd=tmp_path)
+  seconds = time.monotonic() - start
+  lines = done.stderr.strip().splitlines()
+  assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+  assert lines[0].startswith(f"error: base_output_directory=gs://{BUCKET}/runs: bucket {BUCKET} is unreachable")
+  assert os.listdir(tmp_path) == []
+  assert seconds < 20, seconds  # start-up included; the check itself takes milliseconds (it took a minute before)
