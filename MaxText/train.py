@@ -32,7 +32,7 @@ import tqdm  # noqa: E402
 import yaml  # noqa: E402
 from flax import traverse_util  # noqa: E402
 
-from MaxText import checkpointing, cli, compiled_step, input_pipeline, lora, metrics, optimizers, sharding, storage  # noqa: E402
+from MaxText import checkpointing, cli, compiled_step, input_pipeline, lora, metrics, optimizers, pyconfig, sharding, storage  # noqa: E402
 from MaxText import state as state_lib  # noqa: E402
 from MaxText.cli import TrainingError  # noqa: E402
 from MaxText.common_types import Config, ConfigError  # noqa: E402
@@ -697,24 +697,28 @@ def _loop(run: Run) -> TrainSummary:
 
 def _next_batch(run: Run, stop: "StopRequest", state: state_lib.TrainState, completed: int) -> dict:
   """The next training batch. A wait for data may never end by itself (a stalled bucket or data loader), so a
-  SIGTERM or SIGINT during it stops the run there: the steps completed since the last save are saved, with the
-  data position from before the wait, and the run exits with the line on how to resume."""
+  SIGTERM or SIGINT during it stops the run there; data that runs out (a finite num_epoch) stops it too. Either
+  way the steps completed since the last save are saved, with the data position from before the wait, and the
+  run exits with one line."""
   position = run.data.get_state() if run.manager is not None and completed > run.first_step else None
   try:
     with stop.interrupting():
       return next(run.data)
   except StopRequest.Interrupted:
     what = "preempted" if stop.signal_name == "SIGTERM" else "interrupted"
-    where = f"{what} ({stop.signal_name}) while waiting for the data of step {completed}"
-    if position is None:
-      latest = run.manager.latest_step() if run.manager is not None else None
-      kept = f"checkpoint {latest} is the latest" if latest is not None else "no checkpoint is saved"
-      raise TrainingError(f"{where}; {kept}: run the same command again to resume") from None
-    data_state = None if run.config.dataset_type == "synthetic" else position
-    _check_room(run.config, run.manager, state)
-    checkpointing.save(run.manager, state, data_state)
-    run.manager.wait_until_finished()
-    raise TrainingError(f"{where}; checkpoint {completed} is saved: run the same command again to resume") from None
+    why, fix = f"{what} ({stop.signal_name}) while waiting for the data of step {completed}", "run the same command again"
+  except StopIteration:
+    why = f"the training data ran out before step {completed} (num_epoch={run.config.num_epoch})"
+    fix = "raise num_epoch or lower steps, then run again"
+  if position is None:  # Nothing trained since the start (or nothing is saved at all).
+    latest = run.manager.latest_step() if run.manager is not None else None
+    if latest is None:
+      raise TrainingError(f"{why}; no checkpoint is saved: {fix}")
+    raise TrainingError(f"{why}; checkpoint {latest} is the latest: {fix} to resume from it")
+  _check_room(run.config, run.manager, state)
+  checkpointing.save(run.manager, state, None if run.config.dataset_type == "synthetic" else position)
+  run.manager.wait_until_finished()
+  raise TrainingError(f"{why}; checkpoint {completed} is saved: {fix} to resume")
 
 
 class StopRequest:
@@ -818,8 +822,12 @@ def _finish(summary: TrainSummary, config: Config, clock: metrics.StepClock) -> 
 
 
 def _train_cli(config: Config) -> None:
-  if config.log_config:
-    cli.log("Config: " + " ".join(f"{k}={v}" for k, v in sorted(config.as_dict().items()) if k != "logical_axis_rules"))
+  if config.log_config:  # The keys that differ from base.yml; config.yml in the run's folder has them all.
+    defaults = pyconfig.defaults()
+    changed = [f"{k}={v}" for k, v in sorted(config.as_dict().items()) if k in defaults and v != defaults[k]]
+    cli.log(
+      f"Config (where it differs from base.yml; every key: {checkpointing.run_dir(config)}/config.yml): {' '.join(changed)}"
+    )
   train(config)
 
 

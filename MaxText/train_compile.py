@@ -42,6 +42,8 @@ def _phase(what: str) -> None:
 def load_config(argv) -> Config:
   """The config finalized for compile_topology's devices (hardware=tpu), or for this host's when it is empty."""
   values = pyconfig.parse(argv)
+  if values["compiled_trainstep_file"]:  # Written after compiling: refused now, not after minutes of work.
+    cli.check_writable("compiled_trainstep_file", values["compiled_trainstep_file"], folder=False)
   slices = _num_slices(values)
   if not values["compile_topology"]:
     if slices != 1:

@@ -530,13 +530,11 @@ class _Stalls:
     self.iterator.set_state(state)
 
 
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
-def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_path, capsys, monkeypatch):
-  """A wait for data that never ends is cut short by SIGTERM: the steps done are saved with the data position
-  from before the wait, exit 1 with one line; the same command then resumes with the uninterrupted losses."""
+def _text_data(tmp_path) -> tuple[str, ...]:
+  """Overrides for training on an ArrayRecord file of 200 English documents with a SentencePiece model of them."""
   from array_record.python.array_record_module import ArrayRecordWriter
 
-  from MaxText import input_pipeline, train_tokenizer
+  from MaxText import train_tokenizer
   from MaxText.tests.input_pipeline_test import _english
 
   documents = _english(200)
@@ -546,11 +544,20 @@ def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_
     writer.write(doc.encode("utf-8"))
   writer.close()
   train_tokenizer.train(documents, vocab_size=400, output=str(tmp_path / "tok.model"))
-  common = (
+  return (
     "dataset_type=grain", f"grain_train_files={tmp_path}/data/*", f"tokenizer_path={tmp_path}/tok.model",
-    "vocab_size=512", "override_model_config=true", "per_device_batch_size=2", "steps=6", "log_period=1",
-    "checkpoint_period=100", "enable_checkpointing=true", f"base_output_directory={tmp_path}",
+    "vocab_size=512", "override_model_config=true", "per_device_batch_size=2",
   )  # fmt: skip
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_path, capsys, monkeypatch):
+  """A wait for data that never ends is cut short by SIGTERM: the steps done are saved with the data position
+  from before the wait, exit 1 with one line; the same command then resumes with the uninterrupted losses."""
+  from MaxText import input_pipeline
+
+  common = (*_text_data(tmp_path), "steps=6", "log_period=1", "checkpoint_period=100", "enable_checkpointing=true",
+            f"base_output_directory={tmp_path}")  # fmt: skip
   assert (
     train.main(["train.py", BASE_YML, *overrides_of(*common, "run_name=straight", f"metrics_file={tmp_path}/a.jsonl")]) == 0
   )
@@ -592,11 +599,21 @@ def test_a_disk_that_fills_during_the_first_save_ends_in_one_line(tmp_path):
   """Another writer fills the disk while the first (async) save runs, so the room check passed: the run ends with
   the one full-disk line; no traceback from Orbax's writer threads, TensorBoard's flush at exit or the metrics
   file on the same disk, and no checkpoint is taken as complete."""
-  with _small_disk(tmp_path / "disk", 160) as disk:
-    code = (
-      "import sys; from MaxText import train; train._check_room = lambda *a: None; "  # the disk fills after the check
-      "sys.exit(train.main(sys.argv))"
-    )
+  with _small_disk(tmp_path / "disk", 2048) as disk:
+    # At the first save, after the room check, another writer leaves 64 KiB of the disk free.
+    code = f"""
+import os, sys
+from MaxText import train
+def another_writer(*_):
+  with open("{disk}/other", "wb", buffering=0) as f:
+    try:
+      while True:
+        f.write(bytes(4096))
+    except OSError:
+      f.truncate(max(f.tell() - 65536, 0))
+train._check_room = another_writer
+sys.exit(train.main(sys.argv))
+"""
     args = overrides_of(
       "run_name=full", f"base_output_directory={disk}", "enable_checkpointing=true", "enable_tensorboard=true",
       "steps=4", "checkpoint_period=1", f"metrics_file={disk}/m.jsonl",
@@ -626,3 +643,19 @@ def test_an_output_on_a_full_disk_is_refused_before_anything_is_written(tmp_path
       assert proc.returncode == 2, proc.stdout + proc.stderr
       assert proc.stderr.startswith(f"error: {key}={value}: no space left on") and proc.stderr.count("\n") == 1, proc.stderr
       assert sorted(os.listdir(disk)) == ["filler"] and not (tmp_path / "runs").exists()
+
+
+def test_data_that_runs_out_saves_and_says_so_in_one_line(tmp_path, capsys):
+  """num_epoch=1 over 200 documents cannot feed 1000 steps: the steps done are saved, exit 1 with one line."""
+  args = (*_text_data(tmp_path), "num_epoch=1", "steps=1000", "checkpoint_period=500", "enable_checkpointing=true",
+          f"base_output_directory={tmp_path}", "run_name=r", f"metrics_file={tmp_path}/m.jsonl")  # fmt: skip
+  assert train.main(["train.py", BASE_YML, *overrides_of(*args)]) == 1
+  err = capsys.readouterr().err
+  ran_out = re.fullmatch(
+    r"error: the training data ran out before step (\d+) \(num_epoch=1\); checkpoint (\d+) is saved: raise num_epoch "
+    r"or lower steps, then run again to resume\n",
+    err,
+  )
+  assert ran_out and ran_out[1] == ran_out[2] and 0 < int(ran_out[1]) < 1000, err
+  assert os.listdir(tmp_path / "r" / "checkpoints") == [ran_out[1]]
+  assert [m["step"] for m in _metrics(tmp_path / "m.jsonl")] == list(range(int(ran_out[1])))
