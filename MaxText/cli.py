@@ -8,6 +8,7 @@ e.g. a NaN loss) is one line and exit code 1; anything else is a bug and keeps i
 imports another: what two of them need lives here or in the library modules.
 """
 
+import atexit
 import json
 import logging
 import os
@@ -135,7 +136,7 @@ def check_kind(key: str, path: str, folder: bool) -> None:
   if os.path.exists(path):
     mode = os.stat(path).st_mode
     if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
-      raise ConfigError(f"{key}={cut(path)} is {pyconfig.file_kind(mode)}; pass the path of {wanted}")
+      raise ConfigError(f"{key}={cut(path)} is {storage.file_kind(mode)}; pass the path of {wanted}")
     return
   existing = os.path.dirname(path)
   while not os.path.exists(existing):
@@ -175,21 +176,21 @@ _METRICS_LINE_BYTES = 1 << 20
 
 def check_metrics_file(path: str) -> None:
   """ConfigError unless the local `path` is new, empty, or a metrics file: JSON lines of one object each, as
-  metrics.MetricWriter appends them (a resumed run appends to its own). A last line cut short (a run killed while
-  writing it) is allowed; anything else, e.g. a copy of /etc/passwd, would get JSON lines appended to it."""
+  metrics.MetricWriter appends them (a resumed run appends to its own). A record cut short by a kill is allowed,
+  at the end or (once a resumed run has ended its line) anywhere; anything else, e.g. a copy of /etc/passwd, would
+  get JSON lines appended to it."""
   if storage.is_remote(path) or not os.path.isfile(path):
     return
   with open(path, "rb") as f:
     number = 0
     while line := f.readline(_METRICS_LINE_BYTES):
       number += 1
-      last = not line.endswith(b"\n")
-      if not line.strip() or (last and line.startswith(b"{") and len(line) < _METRICS_LINE_BYTES):
+      if not line.strip():
         continue
       try:
         record = json.loads(line)
-      except ValueError:
-        record = None
+      except ValueError:  # A record cut short starts as one does, within the longest line.
+        record = {} if line.startswith(b"{") and len(line) < _METRICS_LINE_BYTES else None
       if not isinstance(record, dict):
         raise ConfigError(
           f"metrics_file={cut(path)} exists and is not a metrics file (its line {number} is not a JSON object); "
@@ -246,12 +247,20 @@ def error_line(error: Exception) -> str:
 
 
 def _quiet_exit() -> None:
-  """After a failure's one line, the process only exits: the libraries' threads, exit hooks and garbage (a
-  TensorBoard writer whose flush failed, Orbax's abandoned coroutines) would repeat the failure as tracebacks and
-  warnings, so they are silenced."""
+  """Run at exit after a failure's one line: the libraries' exit hooks, threads and garbage (a TensorBoard writer
+  whose flush failed, Orbax's abandoned coroutines) would repeat the failure as tracebacks and warnings. (At exit,
+  so that a process that goes on, a test calling main() say, keeps Python's reporting.)"""
   sys.unraisablehook = lambda unraisable: None
   threading.excepthook = lambda args: None
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+
+
+def _report(error: Exception) -> None:
+  """A failure's one line on stderr; the process then exits quietly (_quiet_exit, which atexit runs before the
+  libraries' own exit hooks, registered earlier)."""
+  print(f"error: {error_line(error)}", file=sys.stderr, flush=True)
+  atexit.unregister(_quiet_exit)
+  atexit.register(_quiet_exit)
 
 
 def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
@@ -272,10 +281,10 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
     code = body(config)
     code = code if isinstance(code, int) else 0
   except ConfigError as e:
-    print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+    _report(e)
     code = 2
   except TrainingError as e:
-    print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+    _report(e)
     code = 1
   except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first, see train.StopRequest).
     print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
@@ -285,8 +294,6 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
       raise
     traceback.print_exc()
     code = 1
-  if code in (1, 2):  # Reported in one line (or, in a multi-process job, by its traceback).
-    _quiet_exit()
   if code and jax.distributed.is_initialized():
     sys.stdout.flush()
     sys.stderr.flush()

@@ -38,7 +38,7 @@ def read_prompts(config: Config) -> list[str]:
   path = storage.expand(config.decode_prompts_file)
   hint = "give a UTF-8 file with one prompt per line"
   if not storage.is_remote(path):
-    tokenizer_lib.check_file("decode_prompts_file", path, hint)  # Never opens /dev/zero, a FIFO or a folder.
+    storage.check_file("decode_prompts_file", path, hint)  # Never opens /dev/zero, a FIFO or a folder.
   elif not storage.isfile(path):
     raise ConfigError(f"decode_prompts_file={path} does not exist; {hint}")
   try:

@@ -171,23 +171,6 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
   return cut(" ".join((str(e).splitlines() or [type(e).__name__])[0].split()))
 
 
-# What a path that is not a regular file is, for the error message.
-_FILE_KINDS = (
-  (stat.S_ISDIR, "a folder"),
-  (stat.S_ISFIFO, "a FIFO"),
-  (stat.S_ISCHR, "a character device"),
-  (stat.S_ISBLK, "a block device"),
-  (stat.S_ISSOCK, "a socket"),
-)
-
-
-def file_kind(mode: int) -> str:
-  """What an os.stat st_mode is, in words ("a file", "a folder", "a FIFO", ...)."""
-  if stat.S_ISREG(mode):
-    return "a file"
-  return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "a special file")
-
-
 def _read_yml(path: str, seen=()) -> dict:
   """Reads a yml file, following `base_config:` (relative to the file's folder) first. A path that is not a
   regular file is refused before it is opened: reading /dev/zero or a FIFO would never end."""
@@ -199,7 +182,7 @@ def _read_yml(path: str, seen=()) -> dict:
   except (OSError, ValueError) as e:  # ValueError: a NUL character in the path.
     raise ConfigError(f"{what} cannot be read ({cut(str(getattr(e, 'strerror', None) or e))}); pass another path") from None
   if not stat.S_ISREG(mode):
-    raise ConfigError(f"{what} is {file_kind(mode)}, not a regular file; pass the path of a yml file")
+    raise ConfigError(f"{what} is {storage.file_kind(mode)}, not a regular file; pass the path of a yml file")
   real = os.path.realpath(path)
   if real in seen:
     raise ConfigError(f"base_config loop through {what}; remove the cycle")

@@ -13,13 +13,14 @@ import io
 import json
 import os
 import posixpath
+import stat
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from MaxText.common_types import ConfigError
+from MaxText.common_types import ConfigError, cut
 
 
 def is_remote(path: str) -> bool:
@@ -161,9 +162,42 @@ class AppendedText:
       self.file.close()
 
 
+# What a path that is not a regular file is, in words for an error message.
+_FILE_KINDS = (
+  (stat.S_ISDIR, "a folder"),
+  (stat.S_ISFIFO, "a FIFO"),
+  (stat.S_ISCHR, "a character device"),
+  (stat.S_ISBLK, "a block device"),
+  (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str:
+  """What an os.stat st_mode is, in words ("a file", "a folder", "a FIFO", ...)."""
+  if stat.S_ISREG(mode):
+    return "a file"
+  return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "a special file")
+
+
+def check_file(key: str, path: str, hint: str) -> None:
+  """Raises ConfigError (`key`=`path`: what it is; `hint`) unless the local `path` is a regular file this user can
+  read. A folder, FIFO or device is refused without being opened: reading /dev/zero or a FIFO never ends."""
+  try:
+    mode = os.stat(path).st_mode
+  except (FileNotFoundError, NotADirectoryError):
+    raise ConfigError(f"{key}={cut(path)} does not exist; {hint}") from None
+  except (OSError, ValueError) as e:  # a link loop, a folder this user cannot search; ValueError: a NUL in the path
+    raise ConfigError(f"{key}={cut(repr(path))} cannot be read ({getattr(e, 'strerror', None) or e}); {hint}") from None
+  if not stat.S_ISREG(mode):
+    raise ConfigError(f"{key}={cut(path)} is not a regular file (it is {file_kind(mode)}); {hint}")
+  if not os.access(path, os.R_OK):
+    raise ConfigError(f"{key}={cut(path)} is not readable by this user; {hint}")
+
+
 GCS_ENDPOINT = "https://storage.googleapis.com"
 ACCESS_TIMEOUT = 4.0  # seconds per request of check_access
 ACCESS_DEADLINE = 10.0  # seconds for all of check_access (finding and refreshing credentials included)
+_FINDING_CREDENTIALS = "looking for Google Cloud credentials"
 _LOGIN = "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
 
 
@@ -181,7 +215,7 @@ def check_access(key: str, url: str, write: bool) -> None:
   bucket, _, prefix = url[len("gs://") :].partition("/")
   if not bucket:
     raise ConfigError(f"{key}={shown} names no bucket; give gs://BUCKET/PATH")
-  stage = ["looking for Google Cloud credentials"]  # what the check is doing, for a deadline's message
+  stage = [_FINDING_CREDENTIALS]  # what the check is doing, for a deadline's message
   outcome: list[BaseException] = []
 
   def work():
@@ -194,14 +228,19 @@ def check_access(key: str, url: str, write: bool) -> None:
   worker.start()
   worker.join(ACCESS_DEADLINE)
   if worker.is_alive():
+    if not write and stage[0] == _FINDING_CREDENTIALS:
+      return  # Off Google Cloud, google.auth may wait for a metadata server: reading a public bucket needs none.
     raise ConfigError(
       f"{key}={shown}: bucket {bucket} is unreachable: no answer within {ACCESS_DEADLINE:g} s while {stage[0]}; "
       "check the network (or STORAGE_EMULATOR_HOST), or use a local path"
     )
   if outcome and isinstance(outcome[0], _AccessDenied):
     raise ConfigError(f"{key}={shown}: {outcome[0]}") from None
-  if outcome:
-    raise outcome[0]
+  if outcome:  # e.g. a malformed credentials file
+    error = outcome[0]
+    raise ConfigError(
+      f"{key}={shown}: bucket {bucket} cannot be checked ({type(error).__name__}: {_cut(error)}); {_LOGIN}"
+    ) from None
 
 
 class _AccessDenied(Exception):
@@ -296,7 +335,6 @@ def _get(url: str, headers: dict) -> tuple[int | None, str]:
     return None, _cut(getattr(e, "reason", e))
 
 
-def _cut(text, limit: int = 120) -> str:
-  """`text` on one line, cut to `limit` characters."""
-  text = " ".join(str(text).split())
-  return text if len(text) <= limit else text[: limit - 3] + "..."
+def _cut(text) -> str:
+  """`text` on one line, cut to 120 characters."""
+  return cut(" ".join(str(text).split()), 120)

@@ -699,8 +699,10 @@ def _next_batch(run: Run, stop: "StopRequest", state: state_lib.TrainState, comp
   """The next training batch. A wait for data may never end by itself (a stalled bucket or data loader), so a
   SIGTERM or SIGINT during it stops the run there; data that runs out (a finite num_epoch) stops it too. Either
   way the steps completed since the last save are saved, with the data position from before the wait, and the
-  run exits with one line."""
-  position = run.data.get_state() if run.manager is not None and completed > run.first_step else None
+  run exits with one line. In a multi-process job nothing is saved here: the other processes are in the step's
+  collectives, not in a save (and signals are JAX's preemption service's, see StopRequest)."""
+  saves = run.manager is not None and completed > run.first_step and jax.process_count() == 1
+  position = run.data.get_state() if saves and run.config.dataset_type != "synthetic" else None
   try:
     with stop.interrupting():
       return next(run.data)
@@ -710,15 +712,13 @@ def _next_batch(run: Run, stop: "StopRequest", state: state_lib.TrainState, comp
   except StopIteration:
     why = f"the training data ran out before step {completed} (num_epoch={run.config.num_epoch})"
     fix = "raise num_epoch or lower steps, then run again"
-  if position is None:  # Nothing trained since the start (or nothing is saved at all).
-    latest = run.manager.latest_step() if run.manager is not None else None
-    if latest is None:
-      raise TrainingError(f"{why}; no checkpoint is saved: {fix}")
-    raise TrainingError(f"{why}; checkpoint {latest} is the latest: {fix} to resume from it")
-  _check_room(run.config, run.manager, state)
-  checkpointing.save(run.manager, state, None if run.config.dataset_type == "synthetic" else position)
-  run.manager.wait_until_finished()
-  raise TrainingError(f"{why}; checkpoint {completed} is saved: {fix} to resume")
+  if saves:
+    _save(run, state, completed, position)
+    run.manager.wait_until_finished()
+  latest = run.manager.latest_step() if run.manager is not None else None
+  if latest is None:
+    raise TrainingError(f"{why}; no checkpoint is saved: {fix}")
+  raise TrainingError(f"{why}; checkpoint {latest} is the latest: {fix} to resume from it")
 
 
 class StopRequest:
@@ -795,11 +795,11 @@ def _evaluate_and_log(run: Run, state: state_lib.TrainState, step: int, writer: 
   return scalars
 
 
-def _save(run: Run, state: state_lib.TrainState, completed: int) -> None:
-  """Starts saving checkpoint <completed>, with the text pipeline's position (synthetic data has none), once
-  there is room for it."""
+def _save(run: Run, state: state_lib.TrainState, completed: int, position: dict | None = None) -> None:
+  """Starts saving checkpoint <completed>, with the text pipeline's position (`position`, by default the
+  iterator's now; synthetic data has none), once there is room for it."""
   _check_room(run.config, run.manager, state)
-  data_state = None if run.config.dataset_type == "synthetic" else run.data.get_state()
+  data_state = None if run.config.dataset_type == "synthetic" else position or run.data.get_state()
   if checkpointing.save(run.manager, state, data_state):
     cli.log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(run.config)}")
   else:

@@ -23,6 +23,7 @@ import os
 
 import jax
 
+from MaxText import storage
 from MaxText.common_types import Config, ConfigError, cut, shown
 from MaxText.input_pipeline import tokenizer
 from MaxText.input_pipeline.synthetic import SyntheticIterator
@@ -47,7 +48,7 @@ def _files(key: str, pattern: str) -> list[str]:
   if folders:
     raise ConfigError(f"{key}={pattern} matches the folder {folders[0]}; give a glob of its files, e.g. {folders[0]}/*")
   for f in files:  # Before anything opens them: reading a FIFO or /dev/zero would never end.
-    tokenizer.check_file(key, f, "give a glob of data files")
+    storage.check_file(key, f, "give a glob of data files")
   empty = [f for f in files if os.path.getsize(f) == 0]
   if empty:
     raise ConfigError(f"{key}={pattern} matches an empty file {empty[0]}; remove it or rebuild the dataset")
@@ -90,7 +91,7 @@ def _hf_source(config: Config, train: bool):
   datasets.disable_progress_bars()
   path = os.path.expanduser(config.hf_path)
   if os.path.exists(path) and not os.path.isdir(path):
-    tokenizer.check_file("hf_path", path, "give a builder name (json, parquet, ...) or a saved dataset folder")
+    storage.check_file("hf_path", path, "give a builder name (json, parquet, ...) or a saved dataset folder")
   where = _where(config, train)
   if config.hf_path == "json":  # datasets reads a file of JSON arrays or scalars as rows of a made-up "text" column
     for f in files or []:

@@ -27,6 +27,7 @@ from datetime import datetime
 
 import numpy as np
 
+from MaxText import storage
 from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
@@ -74,7 +75,7 @@ def find_template(chat_template: str, chat_template_path: str, tokenizer_path: s
     return chat_template, "chat_template"
   if chat_template_path:
     path = os.path.expanduser(chat_template_path)
-    tokenizer_lib.check_file("chat_template_path", path, "give a .jinja file or a tokenizer_config.json")
+    storage.check_file("chat_template_path", path, "give a .jinja file or a tokenizer_config.json")
     return _read_template(path, "chat_template_path"), path
   folder = os.path.dirname(os.path.expanduser(tokenizer_path))
   for name in ("chat_template.jinja", "tokenizer_config.json"):

@@ -15,12 +15,12 @@ import hashlib
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from MaxText.common_types import Config, ConfigError, cut
+from MaxText import storage
+from MaxText.common_types import Config, ConfigError
 
 _FILES = {
   "sentencepiece": "a SentencePiece model",
@@ -250,34 +250,8 @@ def load(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:
   hint = f"give {_FILES[tokenizer_type]}"
   if tokenizer_type == "sentencepiece" and not os.path.lexists(path):
     hint = "build the demo one with `bash setup.sh` or train one with MaxText/train_tokenizer.py"
-  check_file("tokenizer_path", path, hint)
+  storage.check_file("tokenizer_path", path, hint)
   return LOADERS[tokenizer_type](path)
-
-
-# What a path that is not a regular file is (pyconfig.file_kind's words; pyconfig imports this module).
-_KINDS = (
-  (stat.S_ISDIR, "a folder"),
-  (stat.S_ISFIFO, "a FIFO"),
-  (stat.S_ISCHR, "a character device"),
-  (stat.S_ISBLK, "a block device"),
-  (stat.S_ISSOCK, "a socket"),
-)
-
-
-def check_file(key: str, path: str, hint: str) -> None:
-  """Raises ConfigError (`key`=`path`: what it is; `hint`) unless the local `path` is a regular file this user can
-  read. A folder, FIFO or device is refused without being opened: reading /dev/zero or a FIFO never ends."""
-  try:
-    mode = os.stat(path).st_mode
-  except (FileNotFoundError, NotADirectoryError):
-    raise ConfigError(f"{key}={cut(path)} does not exist; {hint}") from None
-  except (OSError, ValueError) as e:  # a link loop, a folder this user cannot search; ValueError: a NUL in the path
-    raise ConfigError(f"{key}={cut(repr(path))} cannot be read ({getattr(e, 'strerror', None) or e}); {hint}") from None
-  if not stat.S_ISREG(mode):
-    kind = next((kind for is_kind, kind in _KINDS if is_kind(mode)), "something else")
-    raise ConfigError(f"{key}={cut(path)} is not a regular file (it is {kind}); {hint}")
-  if not os.access(path, os.R_OK):
-    raise ConfigError(f"{key}={cut(path)} is not readable by this user; {hint}")
 
 
 def check_specials(tokenizer: Tokenizer, path: str, tokenizer_type: str, add_bos: bool, add_eos: bool) -> None:

@@ -204,6 +204,9 @@ def test_a_metrics_file_written_by_a_run_is_accepted_to_resume_even_cut_short(tm
   assert train.main(["train.py", BASE_YML, *overrides(*common, "run_name=second", "steps=1")]) == 0
   text = metrics_file.read_text()
   assert text.startswith("\n".join(lines)) and '{"step": 2, "learning/lo\n' in text and text.count('"step": 0,') == 2
+  # The cut record now stands mid-file, its line ended by the resumed run: the next start still accepts the file.
+  assert train.main(["train.py", BASE_YML, *overrides(*common, "run_name=third", "steps=1")]) == 0
+  assert metrics_file.read_text().count('"step": 0,') == 3
 
 
 def test_outputs_that_are_fifos_or_devices_are_refused_without_opening_them(tmp_path, capsys):

@@ -156,11 +156,12 @@ def test_check_access_on_the_emulator(bucket, monkeypatch):
   url, _ = bucket
   for name, value in gcs.client_env(url).items():
     monkeypatch.setenv(name, value)
-  storage.check_access("base_output_directory", f"gs://{BUCKET}/runs", write=True)  # exists, writable: passes
-  storage.check_access("load_parameters_path", f"gs://{BUCKET}/runs/x/checkpoints/5/items", write=False)
+  before = storage.listdir(f"gs://{BUCKET}")  # (the bucket is shared with this file's other tests)
+  storage.check_access("base_output_directory", f"gs://{BUCKET}/checked", write=True)  # exists, writable: passes
+  storage.check_access("load_parameters_path", f"gs://{BUCKET}/checked/x/checkpoints/5/items", write=False)
   message, _ = _access_error("base_output_directory", "gs://no-such-bucket/runs", True)
   assert "bucket no-such-bucket does not exist" in message and "gcloud storage buckets create" in message
-  assert storage.listdir(f"gs://{BUCKET}/runs") == []  # nothing was written to check
+  assert storage.listdir(f"gs://{BUCKET}") == before  # nothing was written to check
 
 
 def test_check_access_leaves_local_paths_alone(tmp_path, loopback_only, monkeypatch):
@@ -282,6 +283,26 @@ def test_check_access_gives_up_on_a_hung_credentials_lookup(loopback_only, monke
   message, seconds = _access_error("base_output_directory", f"gs://{BUCKET}/runs", True)
   assert "is unreachable: no answer within 0.5 s while looking for Google Cloud credentials" in message
   assert seconds < 2
+
+
+def test_a_hung_credentials_lookup_leaves_reading_to_the_storage_library(loopback_only, monkeypatch):
+  """Off Google Cloud the lookup may wait on a metadata server that is not there; a public bucket needs no
+  credentials to be read, so a read is not refused for it (a write is, above)."""
+  monkeypatch.setattr(google.auth, "default", lambda **_: time.sleep(30))
+  monkeypatch.setattr(storage, "ACCESS_DEADLINE", 0.5)
+  start = time.monotonic()
+  storage.check_access("load_parameters_path", f"gs://{BUCKET}/public/items", write=False)
+  assert time.monotonic() - start < 2
+
+
+def test_a_credentials_file_that_cannot_be_read_is_one_line(loopback_only, monkeypatch):
+  def malformed(**_):
+    raise ValueError("Service account info was not in the expected format, missing fields token_uri.")
+
+  monkeypatch.setattr(google.auth, "default", malformed)
+  message, _ = _access_error("base_output_directory", f"gs://{BUCKET}/runs", True)
+  assert f"bucket {BUCKET} cannot be checked (ValueError: Service account info was not in the expected" in message
+  assert "GOOGLE_APPLICATION_CREDENTIALS" in message, message
 
 
 def test_train_on_an_unreachable_bucket_exits_2_in_one_line_and_writes_nothing(tmp_path):

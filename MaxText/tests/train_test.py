@@ -571,8 +571,8 @@ def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_
   assert train.main(["train.py", BASE_YML, *overrides_of(*stalled)]) == 1
   err = capsys.readouterr().err
   assert err == (
-    "error: preempted (SIGTERM) while waiting for the data of step 3; checkpoint 3 is saved: run the same command "
-    "again to resume\n"
+    "error: preempted (SIGTERM) while waiting for the data of step 3; checkpoint 3 is the latest: run the same "
+    "command again to resume from it\n"
   ), err
   assert os.listdir(tmp_path / "stalled" / "checkpoints") == ["3"]
 
@@ -652,8 +652,8 @@ def test_data_that_runs_out_saves_and_says_so_in_one_line(tmp_path, capsys):
   assert train.main(["train.py", BASE_YML, *overrides_of(*args)]) == 1
   err = capsys.readouterr().err
   ran_out = re.fullmatch(
-    r"error: the training data ran out before step (\d+) \(num_epoch=1\); checkpoint (\d+) is saved: raise num_epoch "
-    r"or lower steps, then run again to resume\n",
+    r"error: the training data ran out before step (\d+) \(num_epoch=1\); checkpoint (\d+) is the latest: raise "
+    r"num_epoch or lower steps, then run again to resume from it\n",
     err,
   )
   assert ran_out and ran_out[1] == ran_out[2] and 0 < int(ran_out[1]) < 1000, err
