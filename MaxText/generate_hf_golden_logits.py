@@ -41,7 +41,9 @@ def golden_rows(args) -> list[dict]:
     import torch
     import transformers
   except ImportError as e:  # The reference's packages come with the test stack, not the runtime.
-    raise ValueError(f"{e.name} is not installed (it comes with the test stack); run: bash setup.sh --dev") from None
+    raise ValueError(
+      f"{e.name} is not installed (it comes with the test stack); run: bash setup.sh --dev (PyTorch: on Python 3.11)"
+    ) from None
 
   if args.prompts:
     try:

@@ -352,10 +352,14 @@ class MetricWriter:
     outputs += [("metrics to", file.path, file) for file in self.files]
     error = None
     for what, path, output in outputs:
-      try:
-        with contextlib.suppress(OSError) if self.broken else self._writing(what, path):
+      if self.broken:  # The other outputs are still closed, quietly.
+        with contextlib.suppress(OSError):
           output.close()
-      except WriteError as e:  # The other outputs are still closed (quietly: the writer is broken now).
+        continue
+      try:
+        with self._writing(what, path):
+          output.close()
+      except WriteError as e:
         error = e
     if error is not None:
       raise error

@@ -316,7 +316,7 @@ def eval_step(model, params, reference_params, batch):
   return aux["xent"], aux["tokens"], {}
 
 
-def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState, step: int) -> dict[str, float]:
+def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState, *, step: int) -> dict[str, float]:
   """Mean loss per non-padding target token (DPO: per pair, with its metrics) over eval_steps batches (-1: one
   pass over the split)."""
   loss_sum, weight, sums = 0.0, 0, {}
@@ -453,8 +453,10 @@ def _full_disk_stops_the_run(config: Config, layout: state_lib.StateLayout):
     raise TrainingError(str(e)) from None
   except Exception as e:
     directory = checkpointing.checkpoint_dir(config)
-    if not checkpointing.out_of_space(e) or storage.is_remote(directory) or not os.path.isdir(directory):
+    if not checkpointing.out_of_space(e) or storage.is_remote(directory):
       raise
+    while not os.path.isdir(directory):  # (no save has made it yet)
+      directory = os.path.dirname(directory)
     free = shutil.disk_usage(directory).free
     raise TrainingError(_full_disk(config, _checkpoint_bytes(config, layout.abstract), free)) from None
 
@@ -779,7 +781,7 @@ def _check_finite(scalars: dict, step: int, config: Config, manager) -> None:
 
 
 def _evaluate_and_log(run: Run, state: state_lib.TrainState, step: int, writer: metrics.MetricWriter) -> dict:
-  scalars = evaluate(run.config, run.mesh, run.eval_fn, state, step)
+  scalars = evaluate(run.config, run.mesh, run.eval_fn, state, step=step)
   if run.config.use_dpo:
     cli.log(
       f"eval after step {step}: DPO loss {scalars['eval/avg_loss']:.4f}, reward accuracy "

@@ -135,4 +135,7 @@ def test_generator_without_the_test_stack_is_one_line(tmp_path, capsys, monkeypa
   argv = ["gen", f"--hf_model_path={tmp_path / 'hf'}", f"--output_path={tmp_path / 'g.jsonl'}", "--token_ids", "1"]
   assert generate_hf_golden_logits.main(argv) == 2
   err = capsys.readouterr().err
-  assert err == "error: transformers is not installed (it comes with the test stack); run: bash setup.sh --dev\n", err
+  assert err == (
+    "error: transformers is not installed (it comes with the test stack); run: bash setup.sh --dev (PyTorch: on "
+    "Python 3.11)\n"
+  ), err

@@ -313,7 +313,7 @@ def test_quoted_values_are_cut_to_a_readable_length():
     assert len(text) < 600 and re.search(r"\.\.\. \(1000\d\d characters\)", text), text[:700]
 
 
-FLOAT_KEYS = sorted(k for k, v in yaml.safe_load(open(BASE_YML, encoding="utf-8")).items() if type(v) is float)
+FLOAT_KEYS = sorted(k for k, v in pyconfig.defaults().items() if type(v) is float)
 
 
 @pytest.mark.parametrize(

@@ -659,3 +659,22 @@ def test_data_that_runs_out_saves_and_says_so_in_one_line(tmp_path, capsys):
   assert ran_out and ran_out[1] == ran_out[2] and 0 < int(ran_out[1]) < 1000, err
   assert os.listdir(tmp_path / "r" / "checkpoints") == [ran_out[1]]
   assert [m["step"] for m in _metrics(tmp_path / "m.jsonl")] == list(range(int(ran_out[1])))
+
+
+def test_the_config_line_lists_only_the_keys_that_differ_from_base_yml(tmp_path, capsys):
+  """The first line names each key whose value differs from base.yml's (checked against the run's config.yml and
+  base.yml read here), and points at config.yml for the rest."""
+  import yaml
+
+  args = overrides_of("run_name=c", f"base_output_directory={tmp_path}", "log_config=true", "steps=1")
+  assert train.main(["train.py", BASE_YML, *args]) == 0
+  first = capsys.readouterr().out.splitlines()[0]
+  prefix = f"Config (where it differs from base.yml; every key: {tmp_path}/c/config.yml): "
+  assert first.startswith(prefix), first
+  with open(BASE_YML, encoding="utf-8") as f:
+    base = yaml.safe_load(f)
+  with open(tmp_path / "c" / "config.yml", encoding="utf-8") as f:
+    resolved = yaml.safe_load(f)
+  differ = sorted(f"{k}={v}" for k, v in resolved.items() if k in base and v != base[k])
+  assert first[len(prefix) :].split(" ") == differ
+  assert {"model_name=tiny", "steps=1", "dtype=float32"} <= set(differ) and len(differ) < 25, differ
