@@ -16,7 +16,7 @@ Every checkpoint also records a checksum of each array, and its data state carri
 restoring verifies them. A checkpoint without checksums is damaged too when it was saved with them (its Orbax
 metadata names them, or its folder for them is there) or when an earlier checkpoint of its folder has them;
 only a checkpoint of a run older than checksums (none before it has any) is restored unverified, and the log
-says so. On resume a checkpoint that cannot be read or fails verification is skipped, with the reason in the
+says so. Likewise a data state without its seal in a checkpoint with checksums (the two came together) is damaged. On resume a checkpoint that cannot be read or fails verification is skipped, with the reason in the
 log, for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an error.
 """
 
@@ -673,8 +673,9 @@ def _verify_data_file(where: str) -> None:
   """Checks this process's data state in checkpoint `where` against its checksum (before restoring anything)."""
   path = storage.join(where, DATA_ITEM, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
   if storage.exists(path):  # A missing one is restore_data's error: another process count, or synthetic data.
+    sealed_when_saved = storage.exists(storage.join(where, CHECKSUM_ITEM, "metadata"))  # (the two came together)
     try:
-      integrity.open_data(storage.read_bytes(path))
+      integrity.open_data(storage.read_bytes(path), sealed_when_saved)
     except (OSError, integrity.Mismatch) as e:
       raise Damaged(where, str(e)) from None
 

@@ -164,13 +164,16 @@ def seal_data(state) -> bytes:
   return json.dumps({"iterator_state": text, "sha256": hashlib.sha256(text.encode()).hexdigest()}).encode()
 
 
-def open_data(stored: bytes | str) -> bytes:
-  """The iterator state inside seal_data's text, verified; a state saved before checksums passes as it is."""
+def open_data(stored: bytes | str, sealed_when_saved: bool = False) -> bytes:
+  """The iterator state inside seal_data's text, verified; a state saved before checksums passes as it is, unless
+  `sealed_when_saved` (its checkpoint has checksums, which came with the seal): then it has lost its seal."""
   try:
     sealed = json.loads(stored)
   except ValueError as e:
     raise Mismatch(f"the data state is not JSON ({e})") from None
   if not (isinstance(sealed, dict) and "iterator_state" in sealed):
+    if sealed_when_saved:
+      raise Mismatch("the data iterator's state has no seal (SHA-256), though its checkpoint was saved with one")
     return stored.encode() if isinstance(stored, str) else stored
   text = sealed["iterator_state"]
   if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != sealed.get("sha256"):

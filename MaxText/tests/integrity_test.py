@@ -91,6 +91,8 @@ def test_data_state_seal():
     integrity.open_data(sealed[:-3])
   legacy = b'{"next_index": 12}'  # saved before checksums: passed on as it is
   assert integrity.open_data(legacy) == legacy
+  with pytest.raises(integrity.Mismatch, match="has no seal"):  # a checkpoint with checksums: the seal was removed
+    integrity.open_data(legacy, sealed_when_saved=True)
 
 
 def test_eight_byte_elements_agree_between_device_and_numpy():

@@ -678,3 +678,20 @@ def test_the_config_line_lists_only_the_keys_that_differ_from_base_yml(tmp_path,
   differ = sorted(f"{k}={v}" for k, v in resolved.items() if k in base and v != base[k])
   assert first[len(prefix) :].split(" ") == differ
   assert {"model_name=tiny", "steps=1", "dtype=float32"} <= set(differ) and len(differ) < 25, differ
+
+
+def test_a_data_state_that_lost_its_seal_is_damaged_and_the_run_resumes_from_the_one_before(tmp_path, capsys):
+  """The data iterator's state of a checkpoint with checksums, rewritten without its SHA-256 seal (as one saved
+  before checksums looks): the resume skips that checkpoint, naming why, for the one before."""
+  import json as json_lib
+
+  args = (*_text_data(tmp_path), "checkpoint_period=2", "enable_checkpointing=true", "async_checkpointing=false",
+          f"base_output_directory={tmp_path}", "run_name=r")  # fmt: skip
+  assert train.main(["train.py", BASE_YML, *overrides_of(*args, "steps=4")]) == 0
+  data_file = tmp_path / "r" / "checkpoints" / "4" / "data" / "process_0-of-1.json"
+  data_file.write_text(json_lib.loads(data_file.read_text())["iterator_state"])  # the state, unsealed
+  capsys.readouterr()
+  assert train.main(["train.py", BASE_YML, *overrides_of(*args, "steps=6")]) == 0
+  out = capsys.readouterr().out
+  assert "has no seal (SHA-256), though its checkpoint was saved with one" in out, out
+  assert f"resumed from {tmp_path}/r/checkpoints/2" in out, out
