@@ -126,23 +126,24 @@ def check_output_paths(config: Config) -> None:
       storage.check_access(key, getattr(config, key), write=True)
 
 
-def check_kind(key: str, path: str, folder: bool) -> None:
+def check_kind(key: str, path: str, folder: bool) -> str:
   """ConfigError unless the local absolute `path` is a folder (or a regular file, folder=False), or does not exist
-  and no file stands where a folder above it would be made. Only os.stat looks at it: nothing is opened, so a FIFO
-  or /dev/zero cannot hang the check."""
+  and no file stands where a folder above it would be made; returns `path` or, when it does not exist, its nearest
+  existing folder. Only os.stat looks at it: nothing is opened, so a FIFO or /dev/zero cannot hang the check."""
   if storage.is_remote(path):
-    return
+    return path
   wanted = "a folder" if folder else "a regular file"
   if os.path.exists(path):
     mode = os.stat(path).st_mode
     if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
       raise ConfigError(f"{key}={cut(path)} is {storage.file_kind(mode)}; pass the path of {wanted}")
-    return
+    return path
   existing = os.path.dirname(path)
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
     raise ConfigError(f"{key}={cut(path)}: {cut(existing)} is a file, so no folder can be made there; pass another path")
+  return existing
 
 
 # The least free space a local output needs to start: a run writes config.yml, TensorBoard's events and metrics
@@ -155,10 +156,7 @@ def check_writable(key: str, path: str, folder: bool) -> None:
   can be created: its nearest existing ancestor is a writable folder."""
   if storage.is_remote(path):
     return
-  check_kind(key, path, folder)
-  existing = path
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
+  existing = check_kind(key, path, folder)
   if not os.access(existing, os.W_OK):
     raise ConfigError(f"{key}={cut(path)}: {cut(existing)} is not writable by this user; pass a writable path")
   free = shutil.disk_usage(existing).free

@@ -287,8 +287,7 @@ def _check_split(config: Config, split: str) -> None:
     examples = "documents"
   share = range(jax.process_index(), len(source), jax.process_count())
   if not share:
-    process = f" for process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
-    raise ConfigError(f"{where} holds no records{process}; give more records")
+    raise text_pipeline.no_records(where, jax.process_index(), jax.process_count())
   fits = text_pipeline.Fits(config.max_target_length, examples, where)
   checked, kept = CHECKED_RECORDS if fine_tuning else 1, False
   for n, i in enumerate(share):

@@ -159,6 +159,12 @@ class Rename(grain.transforms.Map):
     return ours
 
 
+def no_records(where: str, process_index: int, process_count: int) -> ConfigError:
+  """The error for data of which this process's share is empty."""
+  share = f" for process {process_index} of {process_count}" if process_count > 1 else ""
+  return ConfigError(f"{where} holds no records{share}; give more records")
+
+
 def make_dataset(
   source,
   *,
@@ -187,8 +193,7 @@ def make_dataset(
   dataset = grain.MapDataset.source(source)[process_index::process_count]
   records = len(dataset)
   if not records:
-    share = f" for process {process_index} of {process_count}" if process_count > 1 else ""
-    raise ConfigError(f"{where} holds no records{share}; give more records")
+    raise no_records(where, process_index, process_count)
   if shuffle:
     dataset = dataset.shuffle(seed=seed)
   dataset = dataset.repeat(None if num_epochs < 0 else num_epochs)
