@@ -30,6 +30,11 @@ def is_remote(path: str) -> bool:
 def _epath(path: str):
   if os.environ.get("EPATH_USE_TF") is None:
     os.environ["EPATH_USE_TF"] = "false"  # gcsfs, even where TensorFlow is importable (its gfile needs no more).
+  import fsspec.config
+
+  # gcsfs keeps a folder's listing for the life of the process by default; other processes and hosts write to
+  # the bucket meanwhile (checkpoints of a job, a run resumed beside a reader), so every listing asks the bucket.
+  fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
   from etils import epath
 
   return epath.Path(path)

@@ -717,6 +717,7 @@ def _next_batch(run: Run, stop: "StopRequest", state: state_lib.TrainState, comp
   if saves:
     _save(run, state, completed, position)
     run.manager.wait_until_finished()
+    raise TrainingError(f"{why}; checkpoint {completed} is saved: {fix} to resume")
   latest = run.manager.latest_step() if run.manager is not None else None
   if latest is None:
     raise TrainingError(f"{why}; no checkpoint is saved: {fix}")

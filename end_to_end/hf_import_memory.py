@@ -127,10 +127,10 @@ def main() -> int:
   if run.returncode:
     print(run.stdout, run.stderr[-3000:])
     return run.returncode
-  peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr).group(1))
+  peak = 1024 * int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr).group(1))  # KiB -> bytes
   wall = re.search(r"Elapsed \(wall clock\) time.*: (\S+)", run.stderr).group(1)
-  ratio = peak_kb * 1024 / total
-  print(f"importer peak RSS: {peak_kb / 1e6:.2f} GB = {100 * ratio:.1f}% of the checkpoint; wall {wall}", flush=True)
+  ratio = peak / total
+  print(f"importer peak RSS: {peak / 1e9:.2f} GB = {100 * ratio:.1f}% of the checkpoint; wall {wall}", flush=True)
 
   # One layer's query projection, read back from the Orbax checkpoint, against the source tensor.
   import tensorstore as ts

@@ -18,8 +18,8 @@ import pytest
 
 from MaxText import input_pipeline, sharding, train
 from MaxText.common_types import ConfigError
-from MaxText.tests.helpers import BASE_YML, config, overrides
-from MaxText.tests.sft_test import _long_conversations, deadline, files  # noqa: F401 (a fixture)
+from MaxText.tests.helpers import BASE_YML, config, deadline, overrides
+from MaxText.tests.sft_test import _long_conversations, files  # noqa: F401 (a fixture)
 
 SEED = 29
 PER_KIND = 9

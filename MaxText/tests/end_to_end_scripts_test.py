@@ -152,8 +152,9 @@ def check_long_context(request, tmp_path):
   assert_finite(*flash, *dot)
   ((printed,),) = numbers(rf"largest relative difference: ({NUMBER})", text)
   recomputed = max(abs(a - b) / abs(b) for a, b in zip(flash, dot, strict=True))
-  # The printed difference comes from the unrounded losses, these from 6 decimals: 1e-6 / loss of slack.
-  assert abs(printed - recomputed) <= 2e-6 / min(dot) + 0.01 * printed, (printed, recomputed)
+  # The printed difference comes from the unrounded losses, these from 6 decimals (1e-6 / loss of slack), and it
+  # is printed with 3 significant digits (.2e: within 0.5% of itself).
+  assert abs(printed - recomputed) <= 2e-6 / min(dot) + 0.005 * printed, (printed, recomputed)
   # train_compile.py's phase lines (the last variant's log), in order, with growing elapsed seconds.
   with open(tmp_path / "long" / "compile.log", encoding="utf-8") as f:
     phases = re.findall(rf"^\[ *({NUMBER}) s\] (\w+)", f.read(), re.M)
@@ -219,8 +220,9 @@ def check_hf_import_memory(request, tmp_path):
   ((size, shards),) = numbers(rf"checkpoint: {NUMBER} GB \((\d+) bytes\) in (\d+) shards", text)
   assert 0 < size < 10**8 and shards > 1, text
   ((peak, percent),) = numbers(rf"importer peak RSS: ({NUMBER}) GB = ({NUMBER})% of the checkpoint", text)
-  # The peak is printed to 2 decimals (about 0.5 GB here: 1% of it), the percentage from the unrounded figure.
-  assert peak > 0 and percent == pytest.approx(100 * peak * 1e9 / size, rel=0.02), text
+  # The peak is printed to 2 decimals of a GB (0.005e9 bytes either way), the percentage, to 1 decimal, from the
+  # unrounded peak.
+  assert peak > 0 and abs(percent - 100 * peak * 1e9 / size) <= 100 * 0.005e9 / size + 0.05, text
   assert "query kernel equal to the source: True" in text, text
 
 

@@ -7,13 +7,12 @@ import collections
 import os
 import random
 import shutil
-import signal
 import time
 
 import yaml
 
 from MaxText import pyconfig, train
-from MaxText.tests.helpers import BASE_YML, overrides
+from MaxText.tests.helpers import BASE_YML, Hung, deadline, overrides
 
 CASES = 300
 SEED = 15
@@ -310,14 +309,6 @@ def _make_case_folder(cases) -> None:
   os.symlink(cases / "nowhere", cases / "dangling_link")
 
 
-class _Timeout(BaseException):
-  """A case ran past CASE_SECONDS (a BaseException: no `except Exception` in the code under test swallows it)."""
-
-
-def _ring(*_):
-  raise _Timeout
-
-
 def test_fuzzed_config_files_exit_2_with_one_line_within_seconds(tmp_path, tmp_path_factory, capsys, monkeypatch):
   """Each generated config file ends train.py with exit 2 and one short `error: ` line, with no traceback, nothing
   written, within CASE_SECONDS; a file that is valid after all (an empty one, comments only) trains instead."""
@@ -327,40 +318,34 @@ def test_fuzzed_config_files_exit_2_with_one_line_within_seconds(tmp_path, tmp_p
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   valid = overrides(f"base_output_directory={tmp_path}/runs", "steps=1", "run_name=fuzz")
   before, case_files = _listing(tmp_path), _listing(cases)
-  previous = signal.signal(signal.SIGALRM, _ring)
   failures, outcomes = [], collections.Counter()
-  try:
-    for i, (kind, files, config_path, is_valid) in enumerate(_file_cases()):
-      for name, content in files.items():
-        (cases / name).write_bytes(content if isinstance(content, bytes) else content.encode())
-      start = time.monotonic()
-      signal.alarm(CASE_SECONDS)
-      try:
+  for i, (kind, files, config_path, is_valid) in enumerate(_file_cases()):
+    for name, content in files.items():
+      (cases / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    start = time.monotonic()
+    try:
+      with deadline(CASE_SECONDS):
         code = train.main(["train.py", _special_path(config_path, cases), *valid])
-      except _Timeout:
-        code = f"still running after {CASE_SECONDS} s"
-      except BaseException as e:  # noqa: BLE001 (a traceback is a failure to report with the others)
-        code = f"{type(e).__name__}: {str(e)[:200]}"
-      finally:
-        signal.alarm(0)
-      seconds = time.monotonic() - start
-      out, err = capsys.readouterr()
-      lines = err.strip().splitlines()
-      written = _listing(tmp_path) - before
-      outcomes[code if isinstance(code, int) else "raised"] += 1
-      if is_valid:
-        ok = code == 0 and not err.strip()
-      else:
-        ok = code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and not written
-        ok = ok and len(lines[0]) <= READABLE_CHARS
-      if not ok or "Traceback" in err + out:
-        failures.append(f"case {i} {kind} {files or config_path}"[:300] + f": exit {code}, {seconds:.1f} s, stderr "
-                        f"{err.strip()[-300:]!r}, wrote {sorted(written)[:3]}")  # fmt: skip
-      shutil.rmtree(tmp_path / "runs", ignore_errors=True)
-      for name in files:
-        os.remove(cases / name)
-  finally:
-    signal.signal(signal.SIGALRM, previous)
+    except Hung:
+      code = f"still running after {CASE_SECONDS} s"
+    except BaseException as e:  # noqa: BLE001 (a traceback is a failure to report with the others)
+      code = f"{type(e).__name__}: {str(e)[:200]}"
+    seconds = time.monotonic() - start
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    written = _listing(tmp_path) - before
+    outcomes[code if isinstance(code, int) else "raised"] += 1
+    if is_valid:
+      ok = code == 0 and not err.strip()
+    else:
+      ok = code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and not written
+      ok = ok and len(lines[0]) <= READABLE_CHARS
+    if not ok or "Traceback" in err + out:
+      failures.append(f"case {i} {kind} {files or config_path}"[:300] + f": exit {code}, {seconds:.1f} s, stderr "
+                      f"{err.strip()[-300:]!r}, wrote {sorted(written)[:3]}")  # fmt: skip
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+    for name in files:
+      os.remove(cases / name)
   assert not failures, f"{len(failures)} of {FILE_CASES} cases:\n" + "\n".join(failures)
   assert _listing(cases) == case_files  # nothing written beside the config files either
   assert outcomes[2] > FILE_CASES * 0.9, outcomes

@@ -1,7 +1,9 @@
 """Small shared helpers for the tests."""
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 
@@ -142,3 +144,23 @@ def flip_a_stored_bit(step_dir: str, name: str) -> None:
   value = np.asarray(stored[first].read().result())
   bits = value.view(np.dtype(f"u{value.dtype.itemsize}")) ^ 1
   stored[first].write(bits.view(value.dtype)).result()
+
+
+class Hung(BaseException):
+  """Raised by `deadline` (a BaseException, so no `except Exception` in the code under test swallows it)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+  """Raises Hung in the block after `seconds` (SIGALRM), so a test of a would-be hang fails instead of hanging."""
+
+  def expire(signum, frame):
+    raise Hung(f"still running after {seconds} s: it hangs")
+
+  previous = signal.signal(signal.SIGALRM, expire)
+  signal.alarm(seconds)
+  try:
+    yield
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

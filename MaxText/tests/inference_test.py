@@ -353,7 +353,7 @@ def test_cli_prints_prompts_and_outputs_without_raw_control_characters(trained, 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
 def test_a_prompts_file_that_is_not_a_regular_file_is_never_opened(trained, capsys, tmp_path, kind):
-  from MaxText.tests.sft_test import deadline
+  from MaxText.tests.helpers import deadline
 
   _, args = trained
   path = {"fifo": tmp_path / "prompts", "dev-zero": "/dev/zero", "folder": tmp_path}[kind]

@@ -290,7 +290,7 @@ def test_resume_without_this_process_data_state_exits_2(tmp_path, text_data):
 def test_documents_of_which_none_has_a_target_are_one_error_not_a_spin():
   """Documents of fewer than two tokens yield nothing: repeated forever they would be read without end."""
   from MaxText.common_types import ConfigError
-  from MaxText.tests.sft_test import deadline
+  from MaxText.tests.helpers import deadline
 
   with deadline(30), pytest.raises(ConfigError, match="no document of the data has two tokens or more"):
     _pack([b"", b"x", b""], num_epochs=-1)
@@ -335,7 +335,7 @@ def test_data_files_that_are_not_regular_files_are_never_opened(tmp_path, kind):
 
   from MaxText import input_pipeline
   from MaxText.common_types import ConfigError
-  from MaxText.tests.sft_test import deadline
+  from MaxText.tests.helpers import deadline
 
   path = str(tmp_path / "data.array_record")
   if kind == "fifo":

@@ -2,7 +2,6 @@
 
 import os
 import re
-import signal
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ import yaml
 
 from MaxText import pyconfig, train
 from MaxText.common_types import ConfigError
-from MaxText.tests.helpers import BASE_YML, config
+from MaxText.tests.helpers import BASE_YML, config, deadline
 
 
 def test_overrides_are_typed_and_frozen():
@@ -197,16 +196,6 @@ def _yml(tmp_path, name: str, text: str) -> str:
   return str(path)
 
 
-def _alarm(seconds: int):
-  """SIGALRM raises TimeoutError after `seconds`: a check that opened a FIFO would otherwise hang the test."""
-
-  def ring(*_):
-    raise TimeoutError(f"still running after {seconds} s")
-
-  signal.signal(signal.SIGALRM, ring)
-  signal.alarm(seconds)
-
-
 # A "billion laughs" in one list value: nine aliases of nine aliases ... of a list of nine, 9**9 (387 million)
 # strings once expanded.
 ALIAS_BOMB = (
@@ -234,12 +223,8 @@ def test_yaml_tricks_in_a_config_file_are_one_short_line_naming_the_file(text, m
   5000-digit integer raised RecursionError and ValueError tracebacks."""
   path = _yml(tmp_path, "trick.yml", text)
   start = time.monotonic()
-  _alarm(20)
-  try:
-    with pytest.raises(ConfigError) as caught:
-      pyconfig.parse([path], env={})
-  finally:
-    signal.alarm(0)
+  with deadline(20), pytest.raises(ConfigError) as caught:
+    pyconfig.parse([path], env={})
   message_text = str(caught.value)
   assert time.monotonic() - start < 5
   assert message in message_text and repr(path) in message_text, message_text
@@ -284,12 +269,8 @@ def test_a_config_path_that_is_not_a_regular_file_is_named_for_what_it_is_and_ne
       argv = [str(tmp_path / "child.yml")]
     else:
       argv = [path]
-    _alarm(10)
-    try:
-      with pytest.raises(ConfigError) as caught:
-        pyconfig.parse(argv, env={})
-    finally:
-      signal.alarm(0)
+    with deadline(10), pytest.raises(ConfigError) as caught:
+      pyconfig.parse(argv, env={})
     assert str(caught.value) == f"config file {path!r} is {kind}, not a regular file; pass the path of a yml file"
 
 

@@ -1,10 +1,8 @@
 """Supervised fine-tuning data: chat templates against transformers, the completion mask, packing, and the CLI."""
 
-import contextlib
 import json
 import os
 import re
-import signal
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from MaxText import train_tokenizer
 from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import sft, text_pipeline
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.tests.helpers import BASE_YML, config, run
+from MaxText.tests.helpers import BASE_YML, config, deadline, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 CHATML = (
@@ -400,22 +398,6 @@ def test_decode_prompts_go_through_the_chat_template(files):
     assert got == list(reference.apply_chat_template(turns, add_generation_prompt=True)["input_ids"])
   plain = decode.prompt_tokens(config(*common, "add_bos=true"), tokenizer, ["Which book?"])
   assert plain == [[tokenizer.bos_id, *tokenizer.encode("Which book?")]]
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-  """Raises TimeoutError in the block after `seconds` (SIGALRM), so a test of a would-be hang fails instead."""
-
-  def expire(signum, frame):
-    raise TimeoutError(f"still running after {seconds} s: it hangs")
-
-  previous = signal.signal(signal.SIGALRM, expire)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _long_conversations(n=20, words=200, seed=0):
