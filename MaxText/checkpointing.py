@@ -16,8 +16,9 @@ Every checkpoint also records a checksum of each array, and its data state carri
 restoring verifies them. A checkpoint without checksums is damaged too when it was saved with them (its Orbax
 metadata names them, or its folder for them is there) or when an earlier checkpoint of its folder has them;
 only a checkpoint of a run older than checksums (none before it has any) is restored unverified, and the log
-says so. Likewise a data state without its seal in a checkpoint with checksums (the two came together) is damaged. On resume a checkpoint that cannot be read or fails verification is skipped, with the reason in the
-log, for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an error.
+says so. Likewise a data state without its seal in a checkpoint with checksums (the two came together) is
+damaged. On resume a checkpoint that cannot be read or fails verification is skipped, with the reason in the log,
+for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an error.
 """
 
 import dataclasses
