@@ -802,7 +802,10 @@ def _save(run: Run, state: state_lib.TrainState, completed: int, position: dict 
   """Starts saving checkpoint <completed>, with the text pipeline's position (`position`, by default the
   iterator's now; synthetic data has none), once there is room for it."""
   _check_room(run.config, run.manager, state)
-  data_state = None if run.config.dataset_type == "synthetic" else position or run.data.get_state()
+  if run.config.dataset_type == "synthetic":
+    data_state = None
+  else:
+    data_state = position if position is not None else run.data.get_state()
   if checkpointing.save(run.manager, state, data_state):
     cli.log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(run.config)}")
   else:
