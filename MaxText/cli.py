@@ -229,8 +229,16 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def _full_disk_is_reported_once(record: logging.LogRecord) -> bool:
-  """Drops Orbax's log records of a full disk (one traceback per writer thread); train.py reports it in one line."""
+# Set once a command's failure is reported (_report), reset when the next command starts (run_cli).
+_failure_reported = False
+
+
+def _library_echo_dropped(record: logging.LogRecord) -> bool:
+  """Drops Orbax's log records of a full disk (one traceback per writer thread; train.py reports it in one line),
+  and every record of Orbax's and asyncio's threads once a failure is reported: a writer still running as the
+  process exits fails again on the executors Python has shut down ("cannot schedule new futures after shutdown")."""
+  if _failure_reported:
+    return False
   error = record.exc_info[1] if record.exc_info else None
   return not checkpointing.out_of_space(error) and "No space left on device" not in record.getMessage()
 
@@ -256,9 +264,15 @@ def _quiet_exit() -> None:
 def _report(error: Exception) -> None:
   """A failure's one line on stderr; the process then exits quietly (_quiet_exit, which atexit runs before the
   libraries' own exit hooks, registered earlier)."""
+  global _failure_reported
+  _failure_reported = True
   print(f"error: {error_line(error)}", file=sys.stderr, flush=True)
   atexit.unregister(_quiet_exit)
   atexit.register(_quiet_exit)
+  # Python joins the threads still running (Orbax's writers) before it runs atexit's hooks: quiet them from there.
+  register_at_thread_shutdown = getattr(threading, "_register_atexit", None)
+  if register_at_thread_shutdown is not None:
+    register_at_thread_shutdown(_quiet_exit)
 
 
 def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
@@ -272,7 +286,9 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   """
   logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter would bury our log.
   for logger in ("absl", "asyncio"):  # Orbax's log, and its failed writes' "Task exception was never retrieved".
-    logging.getLogger(logger).addFilter(_full_disk_is_reported_once)
+    logging.getLogger(logger).addFilter(_library_echo_dropped)
+  global _failure_reported
+  _failure_reported = False
   checkpointing.drop_abandoned_io()
   try:
     config = load(argv[1:]) if load is not None else load_config(argv[1:], writes_run_dir)

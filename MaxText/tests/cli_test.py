@@ -291,3 +291,28 @@ def test_remote_paths_are_checked_with_storage_check_access_before_anything_is_w
     argv = ["prog", BASE_YML, *overrides(f"base_output_directory={tmp_path}/out", denied)]
     assert _one_line_exit_2(capsys, argv).startswith(f"error: {denied}: no access to bucket denied")
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_writer_thread_that_fails_again_at_exit_is_not_echoed():
+  """A failed run's writer thread (Orbax's) that is still running as the process exits fails again on the executors
+  Python has shut down; its log record and its exception are echoes of the reported failure, not new lines."""
+  code = """
+import concurrent.futures, logging, sys, threading, time
+from absl import logging as absl_logging
+from MaxText import cli
+pool = concurrent.futures.ThreadPoolExecutor(1)
+def writer():
+  time.sleep(0.5)  # until Python shuts the executors down and joins this thread
+  try:
+    pool.submit(print)
+  except RuntimeError:
+    absl_logging.exception("the writer failed")
+    logging.getLogger("asyncio").exception("Task exception was never retrieved")
+    raise
+def body(config):
+  threading.Thread(target=writer).start()
+  raise cli.TrainingError("no space left on device")
+sys.exit(cli.run_cli(body, sys.argv))
+"""
+  proc = run([sys.executable, "-c", code, BASE_YML, *overrides()], {**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert proc.returncode == 1 and proc.stderr == "error: no space left on device\n", proc.stderr
