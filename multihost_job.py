@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from multihost_runner import UsageError, check_command  # The COMMAND check and its error type, shared.
+from multihost_flags import FlagParser, UsageError, boolean, check_command, gcloud_default
 
 QUEUED_RESOURCES = ["gcloud", "alpha", "compute", "tpus", "queued-resources"]
 LOG_PREFIX = "main_command_log_slice_"  # Logs are main_command_log_slice_<S>_worker_<W>, as in MaxText.
@@ -78,27 +78,14 @@ class Job:
 
 
 # ---------------------------------------------------------------------------------------------- flags
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    fix = "" if "; " in message else "; run `python3 multihost_job.py --help` for the flags"
-    raise UsageError(message + fix)
-
-
 def _num_slices(text: str) -> int:
   if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
     raise argparse.ArgumentTypeError(f"{text!r} is not a number of slices; pass a whole number >= 1, e.g. --NUM_SLICES=2")
   return int(text)
 
 
-def _boolean(text: str) -> bool:
-  value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
-  if value is None:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; pass true or false")
-  return value
-
-
 def parse_flags(argv: list[str]) -> argparse.Namespace:
-  p = _Parser(
+  p = FlagParser(
     prog="multihost_job.py",
     description="Runs COMMAND on every worker of NUM_SLICES new TPU slices (a queued resource), keeps each worker's "
     "log in gs://BUCKET_NAME/BUCKET_DIR/RUN_NAME/ and deletes the TPUs at the end.",
@@ -117,7 +104,7 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--CQR_EXTRA_ARGS", default="", help="more flags for `queued-resources create`, e.g. '--reserved'")
   p.add_argument(
     "--ENABLE_AUTOCHECKPOINT",
-    type=_boolean,
+    type=boolean,
     nargs="?",
     const=True,
     default=False,
@@ -153,17 +140,6 @@ def check_bucket_dir(bucket_dir: str) -> str:
       "parts, e.g. --BUCKET_DIR=jobs/llama"
     )
   return cleaned
-
-
-def gcloud_default(key: str, flag: str) -> str:
-  """`gcloud config get KEY`, for a flag that was not given."""
-  result = run_cloud(["gcloud", "config", "get", key], check=False)
-  value = (result.stdout.strip().splitlines() or [""])[-1].strip()
-  if result.returncode != 0 or not value or value == "(unset)":
-    raise UsageError(
-      f"{flag} is not given and gcloud has no default {key}; pass {flag}=... or run `gcloud config set {key} ...`"
-    )
-  return value
 
 
 def resolve(flags: argparse.Namespace) -> Job:

@@ -60,6 +60,8 @@ import tempfile
 import threading
 import time
 
+from multihost_flags import FlagParser, UsageError, boolean, check_command, gcloud_default
+
 JAX_COORDINATOR_PORT = 8476  # JAX's default coordinator port.
 MEGASCALE_PORT = 8080
 EXCLUDED_NAMES = (".git", "__pycache__")  # Never copied to the workers.
@@ -75,10 +77,6 @@ TPU_CLEANUP = (
   'if [ -n "$pids" ]; then echo "ending processes left on the TPU: $pids"; sudo -n kill -9 $pids; fi; '
   "sudo -n rm -f /tmp/libtpu_lockfile 2>/dev/null; true"
 )
-
-
-class UsageError(Exception):
-  """A mistake in the flags or their inputs; the message says what and how to fix it (exit code 2)."""
 
 
 class JobFailed(Exception):
@@ -97,18 +95,6 @@ class Worker:
 
 
 # ---------------------------------------------------------------------------------------------- flags
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    raise UsageError(message + ("" if "; " in message else "; run `python3 multihost_runner.py --help` for the flags"))
-
-
-def _boolean(text: str) -> bool:
-  value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
-  if value is None:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; pass true or false")
-  return value
-
-
 def _port(text: str) -> int:
   if not re.fullmatch(r"\d{1,5}", text.strip()) or not 0 < int(text) < 65536:
     raise argparse.ArgumentTypeError(f"{text!r} is not a port; pass a number from 1 to 65535")
@@ -122,7 +108,7 @@ def _seconds(text: str) -> int:
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
-  p = _Parser(
+  p = FlagParser(
     prog="multihost_runner.py",
     description="Copies SCRIPT_DIR to every worker and runs COMMAND on all of them as one JAX job.",
     allow_abbrev=False,
@@ -133,7 +119,7 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
   tpu.add_argument("--ZONE", help="zone of the TPUs (default: `gcloud config get compute/zone`)")
   tpu.add_argument(
     "--INTERNAL_IP",
-    type=_boolean,
+    type=boolean,
     nargs="?",
     const=True,
     default=False,
@@ -172,7 +158,7 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
   )
   both.add_argument(
     "--USE_EXISTING_FOLDER",
-    type=_boolean,
+    type=boolean,
     nargs="?",
     const=True,
     default=False,
@@ -201,20 +187,6 @@ def check_run_name(run_name: str) -> str:
       "leading '/', e.g. --RUN_NAME=my-run"
     )
   return "/".join(parts)
-
-
-def check_command(command: str | None) -> str:
-  if not command or not command.strip():
-    raise UsageError(
-      "--COMMAND is missing; pass the shell command every worker runs in its copy of SCRIPT_DIR, e.g. "
-      "--COMMAND='python3 MaxText/train.py MaxText/configs/base.yml run_name=my-run'"
-    )
-  if shutil.which("bash"):
-    syntax = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True, check=False)
-    if syntax.returncode != 0:
-      reason = (syntax.stderr.strip().splitlines() or ["syntax error"])[-1]
-      raise UsageError(f"--COMMAND is not valid shell ({reason}); check its quotes and brackets")
-  return command
 
 
 def _check_host(entry: str, where: str) -> str:
@@ -398,17 +370,6 @@ class Gcloud:
     flags = [f"--worker={worker.tpu_worker}", "--strict-host-key-checking=no", *self.where, *self.internal_ip]
     scp_flags = [f"--scp-flag={option}" for option in self.ssh_options]
     return [[*TPU_VM, "scp", archive, f"{worker.host}:{name}", *flags, *scp_flags]], name
-
-
-def gcloud_default(key: str, flag: str) -> str:
-  """`gcloud config get KEY`, for a flag that was not given."""
-  result = subprocess.run(["gcloud", "config", "get", key], capture_output=True, text=True, check=False)
-  value = (result.stdout.strip().splitlines() or [""])[-1].strip()
-  if result.returncode != 0 or not value or value == "(unset)":
-    raise UsageError(
-      f"{flag} is not given and gcloud has no default {key}; pass {flag}=... or run `gcloud config set {key} ...`"
-    )
-  return value
 
 
 # ---------------------------------------------------------------------------------------------- worker-side scripts

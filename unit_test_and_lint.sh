@@ -13,7 +13,7 @@ if ! "$PYTHON" -c "import pytest, xdist, ruff" 2>/dev/null; then
   echo "error: the tests and lint tools are not installed in $PYTHON; run: bash setup.sh --dev" >&2
   exit 2
 fi
-LINTED=(MaxText end_to_end multihost_runner.py multihost_job.py MaxText/tests/fake_cloud/gcloud MaxText/tests/fake_cloud/gsutil)
+LINTED=(MaxText end_to_end multihost_runner.py multihost_job.py multihost_flags.py MaxText/tests/fake_cloud/gcloud MaxText/tests/fake_cloud/gsutil)
 "$PYTHON" -m ruff format --check "${LINTED[@]}"
 "$PYTHON" -m ruff check "${LINTED[@]}"
 WORKERS=()

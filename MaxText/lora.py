@@ -23,6 +23,9 @@ from flax import traverse_util
 from MaxText.common_types import Config, ConfigError, cut, shown
 
 ADAPTERS = ("lora_a", "lora_b")
+# hf_lora_export: how convert_to_hf_checkpoint.py writes a LoRA checkpoint: "merged" (the adapters folded into the
+# kernels), "adapter" (a PEFT adapter folder), "base" (the model without its adapters).
+HF_EXPORTS = ("merged", "adapter", "base")
 # Our projection names -> the Hugging Face / PEFT module names of the Llama-like families.
 HF_NAMES = {
   "query": "q_proj",

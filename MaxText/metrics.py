@@ -13,6 +13,7 @@ import jax
 
 from MaxText import storage
 from MaxText.common_types import Config
+from MaxText.layers import decoders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +88,20 @@ class TrainingFlops:
   """Model FLOPs of one training step on one device (forward + backward = 3x forward)."""
 
   weights: float  # matmuls against learned weights (attention projections, MLP, output projection)
-  attention: float  # q.k^T and weights.v, causal
+  attention: float  # q.k^T and weights.v over the (query, key) pairs the layers' masks allow
   total: float
 
 
 def training_flops_per_device(config: Config) -> TrainingFlops:
   """Analytic model FLOPs per device per step, MaxText's `calculate_tflops_training_per_device`.
 
-  A matmul [m, k] x [k, n] costs 2mkn. Per token of a layer: q/k/v projections 2*E*(H + 2*KV)*D, output
-  projection 2*E*H*D, MLP 2*E*M*(number of input projections + 1), or for a mixture of experts (all layers but
-  the first_num_dense_layers) the router 2*E*num_experts plus the MLPs of the num_experts_per_tok chosen and
-  the shared experts; attention 4*L*H*D per token, halved for the causal mask (as Megatron-LM and NeMo count
-  it); the output projection 2*E*V once. MLA (attention_type=mla) counts its own projections: the query
-  (2*E*H*Dqk, or 2*E*Rq + 2*Rq*H*Dqk through q_lora_rank Rq), wkv_a 2*E*(Rkv + Drope), wkv_b
-  2*Rkv*H*(Dnope + Dv) and out 2*H*Dv*E; and attention 2*L*H*(Dqk + Dv), halved likewise.
+  A matmul [m, k] x [k, n] costs 2mkn. Each layer stack's decoder layer class gives its own costs (layers/llama.py's
+  hooks, which a family's layer overrides where it computes something else, e.g. MLA in layers/deepseek.py): its
+  attention's projections and MLP per token (a mixture of experts: the router and the active experts only), the
+  FLOPs per (query, key) pair its attention computes (4*H*D for grouped-query attention: q.k and the weighted v),
+  and the pairs each of its layers attends in a sequence of max_target_length, which its masks decide: causal,
+  within a sliding window, within a chunk, with the diagonal counted half as MaxText counts causal attention
+  (llama.causal_pairs; L^2/2 pairs for a full causal mask). The output projection costs 2*E*V per token once.
   Training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not
   counted: these are model FLOPs, so MFU is comparable across remat policies. DPO (use_dpo) trains on two
   sequences per row (chosen and rejected) and runs the reference model forward on both: 2 x (3 + 1) forwards.
@@ -109,30 +110,16 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
   """
   tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
   tokens *= 2 * 4 / 3 if config.use_dpo else 1
-  e, h, kv, d, m = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
-  layers, length = config.num_decoder_layers, config.max_target_length
-  mlp_matmuls = len(config.mlp_activations) + 1
-  dense_mlp = 2 * e * m * mlp_matmuls
-  moe_layers, mlp = 0, dense_mlp
-  if config.num_experts > 1:
-    # Active parameters only: the router, the k chosen experts and the shared ones (MaxText counts the same).
-    active_experts = config.num_experts_per_tok + config.shared_experts
-    mlp = 2 * e * config.num_experts + 2 * e * config.moe_mlp_dim * mlp_matmuls * active_experts
-    moe_layers = layers - config.first_num_dense_layers
-  if config.attention_type == "mla":
-    qk, v, rank = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
-    q_rank = config.q_lora_rank
-    query = 2 * e * h * qk if q_rank == 0 else 2 * e * q_rank + 2 * q_rank * h * qk
-    projections = query + 2 * e * (rank + config.qk_rope_head_dim) + 2 * rank * h * (config.qk_nope_head_dim + v)
-    projections += 2 * h * v * e
-    attention_per_token = 2 * length * h * (qk + v)
-  else:
-    projections = 2 * e * (h + 2 * kv) * d + 2 * e * h * d
-    attention_per_token = 4 * length * h * d
-  mlps = mlp * moe_layers + dense_mlp * (layers - moe_layers)
+  length = config.max_target_length
+  per_token, per_sequence = 2 * config.emb_dim * config.vocab_size, 0.0  # weight FLOPs per token, attention's
+  for stack in decoders.layer_stacks(config):
+    attention = stack.layer.attention_flops(config)
+    per_token += (attention.projections + stack.layer.mlp_flops(config)) * stack.count
+    for index in range(stack.start, stack.start + stack.count):
+      per_sequence += attention.per_pair * stack.layer.attention_pairs(config, index, length)
   passes = 2 if config.lora_rank > 0 else 3  # forward and backward (activations, and weights unless frozen)
-  weights = passes * tokens * (projections * layers + mlps + 2 * e * config.vocab_size)
-  attention = 3 * tokens * layers * attention_per_token / 2
+  weights = passes * tokens * per_token
+  attention = 3 * tokens / length * per_sequence
   return TrainingFlops(weights=weights, attention=attention, total=weights + attention)
 
 

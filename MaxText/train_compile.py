@@ -3,7 +3,7 @@
   python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 compile_topology_num_slices=1 \\
     [compiled_trainstep_file=PATH] [key=value ...]
 
-It compiles train.py's own step (train.jit_train_step and train.compile_step: the same function, shardings and
+It compiles the step train.py runs (step.jit_train_step and step.compile_step: the same function, shardings and
 compiler options) for compile_topology (tpu_topology.py's names) through libtpu, on this host's CPU, and prints per
 device the memory the step needs against the chip's HBM, its FLOPs and its collectives. Exit code 0 when it fits;
 1 and one line (`does not fit: ...`) when it does not, whether XLA refuses to compile it or the compiled step
@@ -13,8 +13,8 @@ executable, which `train.py compiled_trainstep_file=PATH` on that slice loads in
 An empty compile_topology compiles for this host's own devices, as train.py would (the file then loads in a
 train.py run here: the tests check the file that way on the CPU).
 
-This script imports train.py, the one script another script imports: what it compiles must be train.py's step
-itself, not a copy.
+It imports step.py, where train.py's step lives, so what it compiles is that step itself, not a copy; no entry-point
+script imports another.
 """
 
 import functools
@@ -24,23 +24,27 @@ import time
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
-import jax  # noqa: E402
+import jax
 
-from MaxText import cli, compiled_step, pyconfig, tpu_topology, train  # noqa: E402
-from MaxText.cli import TrainingError  # noqa: E402
-from MaxText.common_types import Config, ConfigError  # noqa: E402
-from MaxText.layers import pipeline  # noqa: E402
-
-_START = time.monotonic()  # Reading the clock, nothing more: the phases' lines count from here.
+from MaxText import cli, compiled_step, pyconfig, step, tpu_topology
+from MaxText.common_types import Config, ConfigError, TrainingError
+from MaxText.layers import pipeline
 
 
-def _phase(what: str) -> None:
-  """One line as each phase starts, with the seconds since the start: compiling a large step takes minutes."""
-  cli.log(f"[{time.monotonic() - _START:6.1f} s] {what}")
+class Phases:
+  """One line as each phase starts, with the seconds since the command started (this object made): compiling a
+  large step takes minutes."""
+
+  def __init__(self):
+    self.start = time.monotonic()
+
+  def __call__(self, what: str) -> None:
+    cli.log(f"[{time.monotonic() - self.start:6.1f} s] {what}")
 
 
-def load_config(argv) -> Config:
+def load_config(argv, phase: Phases | None = None) -> Config:
   """The config finalized for compile_topology's devices (hardware=tpu), or for this host's when it is empty."""
+  phase = phase or Phases()
   values = pyconfig.parse(argv)
   if values["compiled_trainstep_file"]:  # Written after compiling: refused now, not after minutes of work.
     cli.check_writable("compiled_trainstep_file", values["compiled_trainstep_file"], folder=False)
@@ -50,7 +54,7 @@ def load_config(argv) -> Config:
       raise ConfigError(f"compile_topology_num_slices={slices} needs a compile_topology, e.g. compile_topology=v5e-256")
     return cli.load_config(argv)  # This host's devices, set up as for train.py.
   jax.config.update("jax_platforms", "cpu")  # The slice's devices come from libtpu; JAX itself stays on the CPU.
-  _phase(f"building the topology {values['compile_topology']} x {slices} slice(s) (libtpu)")
+  phase(f"building the topology {values['compile_topology']} x {slices} slice(s) (libtpu)")
   devices = _topology_devices(values["compile_topology"], slices)
   # Hardware-dependent choices (attention kernels, ...) follow the mesh's devices; hardware=tpu says so too.
   return pyconfig.finalize({**values, "hardware": "tpu"}, num_devices=len(devices), num_slices=slices)
@@ -68,8 +72,11 @@ def _topology_devices(name: str, num_slices: int) -> list[jax.Device]:
   return tpu_topology.devices(tpu_topology.parse(name), num_slices)
 
 
-def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_step.StepReport, jax.sharding.Mesh]:
+def compile_train_step(
+  config: Config, phase: Phases | None = None
+) -> tuple[jax.stages.Compiled, compiled_step.StepReport, jax.sharding.Mesh]:
   """(compiled step, its report, mesh); TrainingError with the does-not-fit line when XLA runs out of HBM."""
+  phase = phase or Phases()
   if config.compile_topology:
     devices = _topology_devices(config.compile_topology, config.num_slices)
     chip = tpu_topology.parse(config.compile_topology).generation
@@ -79,28 +86,28 @@ def compile_train_step(config: Config) -> tuple[jax.stages.Compiled, compiled_st
     devices = jax.devices()
     chip = devices[0].device_kind
     target = f"this host ({len(devices)} x {chip})"
-  _phase(f"building the mesh, the model and the state's layout for {target}")
-  mesh, model, schedule, tx, layout = train.build(config, devices)
+  phase(f"building the mesh, the model and the state's layout for {target}")
+  mesh, model, schedule, tx, layout = step.build(config, devices)
   start = time.time()
-  _phase("lowering the train step")
-  lowered = train.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout).lower()
-  _phase("compiling the train step (XLA)")
+  phase("lowering the train step")
+  lowered = step.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout).lower()
+  phase("compiling the train step (XLA)")
   try:
-    compiled = train.compile_step(lowered, mesh)
+    compiled = step.compile_step(lowered, mesh)
   except jax.errors.JaxRuntimeError as e:
     needed = compiled_step.out_of_memory(e)
     if needed is None:
       raise
     raise TrainingError(compiled_step.does_not_fit_line(*needed, chip, config)) from None
   seconds = time.time() - start
-  _phase("memory and cost analysis of the compiled step")
+  phase("memory and cost analysis of the compiled step")
   report = compiled_step.report(compiled, config, mesh, target, chip, seconds)
-  _phase("done")
+  phase("done")
   return compiled, report, mesh
 
 
-def _main(config: Config) -> None:
-  compiled, report, mesh = compile_train_step(config)
+def _main(config: Config, phase: Phases) -> None:
+  compiled, report, mesh = compile_train_step(config, phase)
   cli.log("\n".join(report.lines()))
   if pipeline.num_stages(config) > 1:
     cli.log(pipeline.describe(config))
@@ -112,7 +119,8 @@ def _main(config: Config) -> None:
 
 
 def main(argv) -> int:
-  return cli.run_cli(_main, argv, load=load_config)
+  phase = Phases()  # The command starts now: a second main() in the same process counts from its own start.
+  return cli.run_cli(functools.partial(_main, phase=phase), argv, load=functools.partial(load_config, phase=phase))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The README quick start as a check: trains MaxText/configs/demo.yml on the demo corpus (built by setup.sh),
 # then requires the final eval loss to be at least 40% below ln(vocab_size), plots the loss curves and
 # samples from the trained model with decode.py (greedy).
-#   bash end_to_end/quickstart_demo.sh [--quick] [OUTPUT_DIR]       (about 7 minutes on 2 CPU cores)
+#   bash end_to_end/quickstart_demo.sh [--quick] [OUTPUT_DIR]       (4 to 7 minutes on 2 CPU cores)
 # --quick (CI, about 15 s): 20 steps and an evaluation over 8 batches; the eval loss must be below 90% of
 # ln(vocab_size) (a model that learnt something), not 60%.
 set -euo pipefail

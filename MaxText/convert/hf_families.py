@@ -1,6 +1,6 @@
 """The Hugging Face checkpoint format: how a family's config.json and tensors map to our keys and parameters.
 
-Each family (MaxText/families.py) owns an `HFMapping`: its model_type and architecture, `read_config`
+Each family (its module in MaxText/families/) owns an `HFMapping`: its model_type and architecture, `read_config`
 (config.json -> our model keys), `write_config` (our config -> config.json) and `layout` (which Hugging Face
 tensors make which of our parameters, for the whole model and for one decoder layer: a `Group` of HF names and
 our paths, with the two pure functions between them). The functions only transpose, reshape, slice and
@@ -15,6 +15,7 @@ permutation of the query and key rows is needed.
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -157,6 +158,21 @@ class HFMapping:
   ignored: Callable[[str, Config], bool] = not_parameters  # tensors of a checkpoint that are not parameters
 
 
+@dataclasses.dataclass(frozen=True)
+class HFExample:
+  """A small random model of a family in transformers, for the parity tests (tests/hf_checkpoint_test.py): the
+  keyword arguments of transformers' config class for the family's model_type, and how the test stores it."""
+
+  config: Mapping[str, Any]
+  scan_layers: bool = True  # imported scanned or unrolled: the families between them cover both layouts
+  max_shard_size: str | None = None  # saved in shards of this size (transformers' max_shard_size), or in one file
+
+
+# The sizes most examples share: small enough for a CPU test, the layers and the sequences longer than one.
+SMALL = {"vocab_size": 96, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3}
+SMALL |= {"max_position_embeddings": 128}
+
+
 def model_keys(mapping: HFMapping, decoder_block: str, hf: Mapping) -> dict:
   """Our model keys from a config.json of `mapping`'s model_type; ConfigError where the variant is unsupported."""
   archs = hf.get("architectures") or [mapping.architecture]
@@ -243,6 +259,15 @@ def write_rope(cfg: Config) -> dict:
     if not cfg.rope_attention_scaling:
       scaling["attention_factor"] = 1.0
   return {"rope_theta": cfg.rope_max_timescale, "rope_scaling": scaling}
+
+
+def softmax_router_only(cfg: Config, family: str) -> None:
+  """Mixtral's and Qwen3-MoE's formats hold a softmax router with plain top-k weights and nothing more."""
+  if cfg.shared_experts or cfg.routed_scaling_factor != 1.0 or cfg.routed_score_func == "sigmoid":
+    raise ConfigError(
+      f"{family}'s Hugging Face format has a softmax router and no shared experts: needs shared_experts=0, "
+      "routed_scaling_factor=1 and routed_score_func='' (softmax)"
+    )
 
 
 def check_layer_types(hf: Mapping, expected: list[str], family: str) -> None:

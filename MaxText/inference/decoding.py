@@ -28,18 +28,17 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference.sampling import Sampling, sample
-from MaxText.layers import models
+from MaxText.layers import decoders, models
 from MaxText.layers.linears import DTYPES
 
 MIN_BUCKET = 16
-CACHE_KV_AXES = (ct.LAYERS,) + ct.CACHE_AXES
-LATENT_CACHE_KV_AXES = (ct.LAYERS,) + ct.LATENT_CACHE_AXES  # attention_type=mla
 
 
 @struct.dataclass
 class Cache:
-  """MLA (attention_type=mla) caches its compressed latent as `keys`, [layers, batch, max_target_length, 1,
-  kv_lora_rank], and the shared RoPE key as `values`, [..., 1, qk_rope_head_dim] (layers/attention_mla.py)."""
+  """What a layer caches is its attention's: MLA (attention_type=mla) caches its compressed latent as `keys`,
+  [layers, batch, max_target_length, 1, kv_lora_rank], and the shared RoPE key as `values`, [..., 1,
+  qk_rope_head_dim] (layers/attention_mla.py); their logical axes are the decoder layer's `kv_cache_axes`."""
 
   keys: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim], after RoPE (MLA: [..., 1, kv_lora_rank])
   values: jax.Array  # [layers, batch, max_target_length, kv_heads, head_dim] (MLA: [..., 1, qk_rope_head_dim])
@@ -47,6 +46,11 @@ class Cache:
   slot_positions: jax.Array  # [batch, max_target_length] int32: the token position held in each slot
   positions: jax.Array  # [batch] int32: position of each row's next token
   slot: jax.Array  # int32: the slot the next token's keys and values are written to
+
+
+def cache_kv_axes(config: Config) -> tuple[str | None, ...]:
+  """The logical axes of the cache's keys or values: the layers, then what the decoder layer caches per layer."""
+  return (ct.LAYERS, *decoders.layer(config.decoder_block).kv_cache_axes)
 
 
 def check(config: Config) -> None:
@@ -106,8 +110,7 @@ class Decoder:
     self.num_generated = cfg.max_target_length - cfg.max_prefill_predict_length
     self._prefill_model = models.Transformer(cfg, self.mesh, ct.MODEL_MODE_PREFILL)
     self._step_model = models.Transformer(cfg, self.mesh, ct.MODEL_MODE_AUTOREGRESSIVE)
-    kv_axes = LATENT_CACHE_KV_AXES if cfg.attention_type == "mla" else CACHE_KV_AXES
-    kv = sharding.logical_sharding(kv_axes, self.mesh, cfg)
+    kv = sharding.logical_sharding(cache_kv_axes(cfg), self.mesh, cfg)
     rows = sharding.logical_sharding((ct.CACHE_BATCH,), self.mesh, cfg)
     self.cache_shardings = Cache(
       keys=kv,

@@ -165,7 +165,7 @@ def no_records(where: str, process_index: int, process_count: int) -> ConfigErro
   return ConfigError(f"{where} holds no records{share}; give more records")
 
 
-def make_dataset(
+def make_dataset(  # noqa: PLR0913 (keyword-only, each named at the call: clearer than an options object)
   source,
   *,
   tokenize: Tokenize,

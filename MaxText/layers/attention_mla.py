@@ -20,7 +20,7 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers import context_parallel
-from MaxText.layers.attention_kernels import MASK_VALUE
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale, yarn_mscale
 from MaxText.layers.linears import PRECISIONS, DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
@@ -125,8 +125,9 @@ class MLA(nn.Module):
       width = max(qk_dim, v_dim)
       q_all = jnp.concatenate([q_nope, q_pe], axis=-1)
       q_all, k, v = _pad_last(q_all, width), _pad_last(k, width), _pad_last(v, width)
+      settings = AttentionSettings.from_config(cfg)
       mode = self.model_mode
-      out = context_parallel.attend(q_all, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, model_mode=mode)
+      out = context_parallel.attend(q_all, k, v, segment_ids, positions, settings, mesh=self.mesh, model_mode=mode)
       out = out[..., :v_dim]
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")

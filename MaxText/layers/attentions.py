@@ -9,23 +9,23 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers import context_parallel
-from MaxText.layers.attention_kernels import MASK_VALUE, soft_cap, within_window
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, soft_cap, within_window
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale
-from MaxText.layers.linears import PRECISIONS, DenseGeneral, fused_projection
+from MaxText.layers.linears import DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
 
 
-def cached_attention(
-  q, k, v, cache_k, cache_v, cache_mask, precision, window=0, cap=0.0, positions=None, cache_positions=None
-):
+def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, positions=None, cache_positions=None):
   """One new token per row attending to the KV cache and to itself (autoregressive decoding).
 
   q: [batch, 1, heads, head_dim] (scaled); k, v: [batch, 1, kv_heads, head_dim], the new token's;
-  cache_k, cache_v: [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots
-  holding this row's earlier tokens; positions [batch, 1] and cache_positions [batch, cache_len], the token
-  positions, matter only for sliding-window attention. The cache is read in place (the new token is not
-  written into it here): one softmax over [cache slots, new token].
+  cache: (keys, values) [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots
+  holding this row's earlier tokens; settings: window, cap, precision; positions [batch, 1] and cache_positions
+  [batch, cache_len], the token positions, matter only for sliding-window attention. The cache is read in place
+  (the new token is not written into it here): one softmax over [cache slots, new token].
   """
+  cache_k, cache_v = cache
+  precision, window, cap = settings.precision, settings.window, settings.cap
   b, t, h, d = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
@@ -99,15 +99,13 @@ class Attention(nn.Module):
       scale = rope_scale(cfg)
       q, k = apply_rope(q, positions, freq, scale), apply_rope(k, positions, freq, scale)
     q = q * jnp.asarray((cfg.query_pre_attn_scalar or head_dim) ** -0.5, q.dtype)
-    precision = PRECISIONS[cfg.matmul_precision]
-    window, cap = sliding_window, cfg.attn_logits_soft_cap
+    settings = AttentionSettings.from_config(cfg, window=sliding_window, cap=cfg.attn_logits_soft_cap)
     if self.model_mode == ct.MODEL_MODE_AUTOREGRESSIVE:
-      cache_k, cache_v = (sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
-      out = cached_attention(q, k, v, cache_k, cache_v, cache_mask, precision, window, cap, positions, cache_positions)
+      cache = tuple(sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
+      out = cached_attention(q, k, v, cache, cache_mask, settings, positions, cache_positions)
     else:
-      out = context_parallel.attend(
-        q, k, v, segment_ids, positions, config=cfg, mesh=self.mesh, window=window, cap=cap, model_mode=self.model_mode
-      )
+      mode = self.model_mode
+      out = context_parallel.attend(q, k, v, segment_ids, positions, settings, mesh=self.mesh, model_mode=mode)
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")  # What remat_policy=minimal_flash saves.
     out = DenseGeneral(

@@ -13,7 +13,7 @@ device holding one piece of the queries, keys and values:
   Memory holds two pieces of keys and values, never the whole sequence. The backward sends the keys and values
   round again, their gradients travelling with them, and each step is FlashAttention-2's backward on that piece.
 
-Causality is by each token's index in the whole sequence (`attention_kernels.Tokens`), so a device's piece need
+Causality is by each token's index in the whole sequence (`attention_masks.Tokens`), so a device's piece need
 not be contiguous. With `context_parallel_load_balance` (training) the sequence is cut into 2n chunks and device r
 holds chunks r and 2n-1-r: under a causal mask every device then has the same work, where a contiguous split gives
 the last device about 2n-1 times the first one's. The Transformer reorders its inputs into that order on entry and its
@@ -22,6 +22,7 @@ in its natural order. Packed documents (segment ids) and sliding windows are exa
 segments, positions and indices.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -33,8 +34,10 @@ from jax.sharding import Mesh, PartitionSpec
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
-from MaxText.layers import attention_kernels as ak
-from MaxText.layers.linears import PRECISIONS
+from MaxText.layers import attention_kernels
+from MaxText.layers.attention_blockwise import Forward, blockwise_backward, blockwise_forward, blockwise_tokens
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Mask, Tokens
+from MaxText.layers.attention_splash import kv_heads_local
 
 STRATEGIES = ("all_gather", "ring")
 
@@ -132,14 +135,32 @@ def _permute_in_turn(xs, axes, pairs, after=None):
 # ---------------------------------------------------------------------------------------------- attention
 
 
-def attend(q, k, v, segment_ids, positions, *, config: Config, mesh=None, window=0, cap=0.0, model_mode=ct.MODEL_MODE_TRAIN):
-  """Causal self-attention as `attention_kernels.attend` (same shapes and result), split over the context-parallel
-  axes when the sequence is (degree > 1), else that function itself. A prefill whose prompt bucket does not split
-  into the pieces runs unsplit (training lengths are checked by pyconfig)."""
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """How a sequence is split over devices: the mesh axes of activation_length, their total size n, and whether
+  the pieces are load-balanced (device r holds chunks r and 2n-1-r of 2n)."""
+
+  axes: tuple[str, ...]
+  n: int
+  balanced: bool
+
+  def index(self, rank, piece: int) -> jax.Array:
+    """[piece] int32: the indices in the whole sequence of the tokens device `rank` holds."""
+    return piece_index(self.n, rank, piece, self.balanced)
+
+
+def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, *, mesh=None, model_mode=ct.MODEL_MODE_TRAIN):
+  """Causal self-attention as `attention_kernels.attend` (same shapes, settings and result), split over the
+  context-parallel axes when the sequence is (degree > 1), else that function itself. A prefill whose prompt bucket
+  does not split into the pieces runs unsplit (training lengths are checked by pyconfig)."""
+  config = settings.config
   n = 1 if mesh is None else degree(config, mesh)
   if n == 1 or (model_mode != ct.MODEL_MODE_TRAIN and q.shape[1] % n):
-    return ak.attend(q, k, v, segment_ids, positions, config=config, mesh=mesh, window=window, cap=cap)
-  kernel = ak.select(config, q.shape[1], ak.platform_of(mesh), q_shape=q.shape, dtype=q.dtype, window=window, cap=cap)
+    return attention_kernels.attend(q, k, v, segment_ids, positions, settings, mesh)
+  platform = attention_kernels.platform_of(mesh)
+  kernel = attention_kernels.select(
+    config, q.shape[1], platform, q_shape=q.shape, dtype=q.dtype, window=settings.window, cap=settings.cap
+  )
   if kernel.startswith("cudnn") and config.attention == "autoselected":
     kernel = "flash"  # blockwise: cuDNN's kernel takes whole sequences
   if kernel.startswith("cudnn"):
@@ -147,80 +168,56 @@ def attend(q, k, v, segment_ids, positions, *, config: Config, mesh=None, window
       f"attention={config.attention} (cuDNN) does not run under context parallelism; use attention=flash "
       "or dot_product, or set ici_context_parallelism and ici_sequence_parallelism to 1"
     )
-  balanced = reorders(config, mesh, model_mode)
-  axes = length_axes(config, mesh)
+  split = Split(length_axes(config, mesh), n, reorders(config, mesh, model_mode))
   _, t, h, _ = q.shape
-  batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
-  head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
-  if t % (2 * n if balanced else n):
+  if t % (2 * n if split.balanced else n):
     raise ConfigError(
-      f"context parallelism over {n} devices: a length of {t} does not split into {2 * n if balanced else n} "
+      f"context parallelism over {n} devices: a length of {t} does not split into {2 * n if split.balanced else n} "
       "chunks; change max_target_length"
     )
-  k, v = ak.kv_heads_local(k, v, h, mesh, config)
-  qkv_spec = PartitionSpec(batch_axes, axes, head_axes, None)
-  ids_spec = PartitionSpec(batch_axes, axes)
-  static = {
-    "axes": axes,
-    "n": n,
-    "balanced": balanced,
-    "block_q": config.sa_block_q,
-    "block_kv": config.sa_block_kv,
-    "cap": float(cap),
-    "precision": PRECISIONS[config.matmul_precision],
-    "has_window": not (ak.is_static(window) and window <= 0),
-  }
-  if config.context_parallel_strategy == "ring":
-    run = functools.partial(_ring_attention, **static)
-  else:
-    run = functools.partial(_all_gather_attention, dense=kernel == "dot_product", **static)
-  sharded = jax.shard_map(
-    run,
-    mesh=mesh,
-    in_specs=(qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec, PartitionSpec()),
-    out_specs=qkv_spec,
-    check_vma=False,
-  )
-  window = jnp.asarray(window if static["has_window"] else 0, jnp.int32)
-  return sharded(q, k, v, segment_ids, positions, window)
+  k, v = kv_heads_local(k, v, h, mesh, config)
+  static = settings.static()  # the window, which may be traced, travels into shard_map as data
+
+  def per_device(q, k, v, segment_ids, positions, window=None):
+    if config.context_parallel_strategy == "ring":
+      return _ring(q, k, v, segment_ids, positions, window, split, static)
+    local = static if window is None else dataclasses.replace(static, window=window)
+    return _all_gather_attention(q, k, v, segment_ids, positions, local, split, dense=kernel == "dot_product")
+
+  batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
+  head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
+  qkv_spec = PartitionSpec(batch_axes, split.axes, head_axes, None)
+  ids_spec = PartitionSpec(batch_axes, split.axes)
+  args, specs = (q, k, v, segment_ids, positions), (qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec)
+  if settings.windowed:
+    args, specs = (*args, settings.window_array()), (*specs, PartitionSpec())
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=qkv_spec, check_vma=False)
+  return sharded(*args)
 
 
-def _all_gather_attention(q, k, v, segment_ids, positions, window, *, axes, n, balanced, dense, **kernel):
-  """One device's queries against the keys and values gathered from all devices, put back in index order."""
-  piece = q.shape[1]
-  queries = ak.Tokens(segment_ids, positions, piece_index(n, jax.lax.axis_index(axes), piece, balanced))
+def _all_gather_attention(q, k, v, segment_ids, positions, settings: AttentionSettings, split: Split, dense: bool):
+  """One device's queries against the keys and values gathered from all devices, put back in index order; the
+  settings' window is this device's (traced) copy."""
+  piece, n = q.shape[1], split.n
+  queries = Tokens(segment_ids, positions, split.index(jax.lax.axis_index(split.axes), piece))
 
   def gather(x):
-    x = jax.lax.all_gather(x, axes, axis=1, tiled=True)
-    return x[:, np.argsort(load_balanced_order(n * piece, n))] if balanced else x
+    x = jax.lax.all_gather(x, split.axes, axis=1, tiled=True)
+    return x[:, np.argsort(load_balanced_order(n * piece, n))] if split.balanced else x
 
   k, v, segment_ids, positions = (gather(x) for x in (k, v, segment_ids, positions))
-  keys = ak.Tokens(segment_ids, positions, jnp.arange(n * piece, dtype=jnp.int32))
+  keys = Tokens(segment_ids, positions, jnp.arange(n * piece, dtype=jnp.int32))
   if dense:
-    return ak.dense_attention(q, k, v, queries, keys, kernel["precision"], window, kernel["cap"])
-  return ak.blockwise_tokens(
-    q,
-    k,
-    v,
-    queries,
-    keys,
-    block_q=kernel["block_q"],
-    block_kv=kernel["block_kv"],
-    window=window if kernel["has_window"] else 0,
-    cap=kernel["cap"],
-    precision=kernel["precision"],
-  )
+    return attention_kernels.dense_attention(q, k, v, queries, keys, settings)
+  return blockwise_tokens(q, k, v, queries, keys, settings)
 
 
-def _ring_attention(q, k, v, segment_ids, positions, window, *, axes, n, balanced, **kernel):
-  statics = (axes, n, balanced, kernel["block_q"], kernel["block_kv"], kernel["cap"], kernel["precision"])
-  return _ring(q, k, v, segment_ids, positions, window, *statics, kernel["has_window"])
-
-
-def _ring_forward(q, k, v, segment_ids, positions, window, axes, n, balanced, block_q, block_kv, cap, precision, has_window):
-  """(out [batch, piece, heads, head_dim] float32, logsumexp) of this device's queries against every piece."""
+def _ring_forward(q, k, v, segment_ids, positions, window, split: Split, settings: AttentionSettings) -> Forward:
+  """(out [batch, piece, heads, head_dim] float32, logsumexp) of this device's queries against every piece; window
+  an int32 scalar or None (no window)."""
+  axes, n = split.axes, split.n
   rank, piece = jax.lax.axis_index(axes), q.shape[1]
-  queries = ak.Tokens(segment_ids, positions, piece_index(n, rank, piece, balanced))
+  queries = Tokens(segment_ids, positions, split.index(rank, piece))
   ring = [(i, (i + 1) % n) for i in range(n)]
   b, _, h, d = q.shape
   kv_heads = k.shape[2]
@@ -229,17 +226,17 @@ def _ring_forward(q, k, v, segment_ids, positions, window, axes, n, balanced, bl
     out, lse, kv = carry
     following = tuple(_permute_in_turn(kv, axes, [ring] * 4))  # issued first: the transfer overlaps this step's compute
     k_s, v_s, seg_s, pos_s = kv
-    keys = ak.Tokens(seg_s, pos_s, piece_index(n, (rank - s) % n, piece, balanced))
-    out_s, lse_s = ak.blockwise_forward(q, k_s, v_s, queries, keys, window, block_q, block_kv, cap, precision, has_window)
+    keys = Tokens(seg_s, pos_s, split.index((rank - s) % n, piece))
+    out_s, lse_s = blockwise_forward(q, k_s, v_s, Mask(queries, keys, window), settings)
     merged = jnp.logaddexp(lse, lse_s)
     out = out * _by_row(jnp.exp(lse - merged), piece, h) + out_s * _by_row(jnp.exp(lse_s - merged), piece, h)
     return (out, merged, following), None
 
-  padded = -(-piece // min(block_q, piece)) * min(block_q, piece)
-  lse = jnp.full((b, kv_heads, h // kv_heads, padded), ak.MASK_VALUE, jnp.float32)
+  block_q = min(settings.block_q, piece)
+  lse = jnp.full((b, kv_heads, h // kv_heads, -(-piece // block_q) * block_q), MASK_VALUE, jnp.float32)
   init = (jnp.zeros((b, piece, h, d), jnp.float32), lse, (k, v, segment_ids, positions))
   (out, lse, _), _ = jax.lax.scan(step, init, jnp.arange(n))
-  return out, lse
+  return Forward(out, lse)
 
 
 def _by_row(lse: jax.Array, piece: int, heads: int) -> jax.Array:
@@ -248,35 +245,33 @@ def _by_row(lse: jax.Array, piece: int, heads: int) -> jax.Array:
   return lse[..., :piece].transpose(0, 3, 1, 2).reshape(b, piece, heads, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
-def _ring(q, k, v, segment_ids, positions, window, *statics):
-  out, _ = _ring_forward(q, k, v, segment_ids, positions, window, *statics)
-  return out.astype(v.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ring(q, k, v, segment_ids, positions, window, split: Split, settings: AttentionSettings):
+  return _ring_forward(q, k, v, segment_ids, positions, window, split, settings).out.astype(v.dtype)
 
 
-def _ring_fwd(q, k, v, segment_ids, positions, window, *statics):
-  out, lse = _ring_forward(q, k, v, segment_ids, positions, window, *statics)
-  out = out.astype(v.dtype)
-  return out, (q, k, v, segment_ids, positions, window, out, lse)
+def _ring_fwd(q, k, v, segment_ids, positions, window, split, settings):
+  forward = _ring_forward(q, k, v, segment_ids, positions, window, split, settings)
+  out = forward.out.astype(v.dtype)
+  return out, (q, k, v, segment_ids, positions, window, Forward(out, forward.lse))
 
 
-def _ring_bwd(axes, n, balanced, block_q, block_kv, cap, precision, has_window, residuals, d_out):
+def _ring_bwd(split: Split, settings: AttentionSettings, residuals, d_out):
   """The keys and values go round the ring again, with float32 accumulators of their gradients; each step adds
   FlashAttention-2's backward of this device's queries against the piece it holds (the global logsumexp makes
   each share exact). After n steps every piece, and its gradient, is back home."""
-  q, k, v, segment_ids, positions, window, out, lse = residuals
+  q, k, v, segment_ids, positions, window, forward = residuals
+  axes, n = split.axes, split.n
   rank, piece = jax.lax.axis_index(axes), q.shape[1]
-  queries = ak.Tokens(segment_ids, positions, piece_index(n, rank, piece, balanced))
+  queries = Tokens(segment_ids, positions, split.index(rank, piece))
   ring = [(i, (i + 1) % n) for i in range(n)]
 
   def step(carry, s):
     dq, kv, dk, dv = carry
     following = tuple(_permute_in_turn(kv, axes, [ring] * 4))
     k_s, v_s, seg_s, pos_s = kv
-    keys = ak.Tokens(seg_s, pos_s, piece_index(n, (rank - s) % n, piece, balanced))
-    dq_s, dk_s, dv_s = ak.blockwise_backward(
-      q, k_s, v_s, queries, keys, window, out, lse, d_out, block_q, block_kv, cap, precision, has_window
-    )
+    keys = Tokens(seg_s, pos_s, split.index((rank - s) % n, piece))
+    dq_s, dk_s, dv_s = blockwise_backward(q, k_s, v_s, Mask(queries, keys, window), settings, forward, d_out)
     dk, dv = _permute_in_turn([dk + dk_s, dv + dv_s], axes, [ring] * 2, after=following[-1])
     return (dq + dq_s, following, dk, dv), None
 

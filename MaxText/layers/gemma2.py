@@ -10,6 +10,7 @@ alternate local sliding-window attention (even layers, window sliding_window_siz
 import jax
 import jax.numpy as jnp
 
+from MaxText.common_types import Config
 from MaxText.layers.llama import LlamaDecoderLayer
 
 
@@ -20,8 +21,11 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
   scale_embeddings = True
   pre_mlp_norm_name = "pre_ffw_norm"
 
-  def sliding_window(self, layer_index) -> jax.Array:
-    return jnp.where(jnp.asarray(layer_index) % 2 == 0, self.config.sliding_window_size, 0)
+  @classmethod
+  def sliding_window(cls, config: Config, layer_index) -> int | jax.Array:
+    if isinstance(layer_index, int):  # unrolled layers, and the FLOP count
+      return config.sliding_window_size if layer_index % 2 == 0 else 0
+    return jnp.where(jnp.asarray(layer_index) % 2 == 0, config.sliding_window_size, 0)
 
   def after_attention(self, h: jax.Array) -> jax.Array:
     return self.norm(self.config, "post_self_attention_norm")(h)

@@ -3,8 +3,15 @@
 Mistral, Gemma, Gemma 2, Qwen 3 and GPT-3 share its structure and subclass it (mistral.py, gemma.py, gemma2.py,
 qwen3.py, gpt3.py): they change the class attributes and the hooks below (norm, sliding_window, attention, mlp,
 and after_attention / after_mlp for Gemma 2's extra norms), never the call itself.
+
+The class also describes the layer to the code around the model, so that none of it names a family or an
+attention kind: its traits (moe, attention_type, dense_layer; pyconfig checks the config against them), the
+logical axes of its KV cache (inference/decoding.py), and its model FLOPs (metrics.py): the attention's and the
+MLP's per token, and the (query, key) pairs its attention computes, which its masks decide (`attention_pairs`).
+A layer that changes what it computes changes these with it.
 """
 
+import dataclasses
 from typing import ClassVar
 
 import jax
@@ -16,6 +23,35 @@ from MaxText.common_types import Config
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
 from MaxText.layers.normalizations import RMSNorm
+
+
+def causal_pairs(length: int, window: int = 0, chunk: int = 0) -> float:
+  """The (query, key) pairs of one sequence of `length` tokens that a causal mask lets attention compute, with the
+  diagonal (each query with its own key) counted half.
+
+  Half the diagonal is MaxText's convention for causal attention, which it counts as half the full length x length
+  square (calculate_tflops_training_per_device: causal_attention_flops = noncausal_attention_flops / 2, i.e.
+  L^2/2 = L(L+1)/2 - L/2 pairs), carried over to masks that allow fewer keys: window > 0 lets a query see only the
+  keys less than `window` positions back (attention_masks.within_window), so query i attends min(i + 1, window)
+  keys; chunk > 0 only the keys of its own chunk of `chunk` tokens (Llama 4's chunked attention; MaxText's
+  _calculate_chunked_attention_flops_per_layer counts c^2/2 per chunk of c, the same convention).
+  """
+  chunk = chunk if 0 < chunk < length else length
+  full, rest = divmod(length, chunk)
+
+  def pairs(c: int) -> int:  # sum over i < c of min(i + 1, w): a triangle up to the window, then w keys each
+    w = c if window <= 0 else min(window, c)
+    return w * (w + 1) // 2 + (c - w) * w
+
+  return full * pairs(chunk) + pairs(rest) - length / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFlops:
+  """Forward FLOPs of one layer's attention (a matmul [m, k] x [k, n] costs 2mkn)."""
+
+  projections: float  # per token: the matmuls against the attention's weights (queries, keys, values, output)
+  per_pair: float  # per (query, key) pair it attends: the score q.k and the weighted value, over all heads
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -36,15 +72,48 @@ class LlamaDecoderLayer(nn.Module):
   scale_embeddings: ClassVar[bool] = False  # Gemma: token embeddings are multiplied by sqrt(emb_dim).
   qk_norm: ClassVar[bool] = False  # Qwen 3: RMSNorm of each query and key head.
   pre_mlp_norm_name: ClassVar[str] = "post_self_attention_layer_norm"  # Gemma 2: pre_ffw_norm.
+  # What the config must say about the layer (pyconfig checks it), and where layers of another class come first.
+  moe: ClassVar[bool] = False  # Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2.
+  attention_type: ClassVar[str] = "global"  # The config's attention_type it runs (MaxText's key): "mla" for MLA.
+  # The class of the first first_num_dense_layers layers (DeepSeek's dense ones); None: every layer is this one.
+  dense_layer: ClassVar[type[nn.Module] | None] = None
+  # The logical axes of one layer's cached keys or values, [batch, cache_len, kv_heads, head_dim] (the decoder's
+  # cache adds the layers in front).
+  kv_cache_axes: ClassVar[tuple[str | None, ...]] = ct.CACHE_AXES
 
   @classmethod
   def norm(cls, config: Config, name: str) -> nn.Module:
     return RMSNorm(config, scale_offset=cls.norm_scale_offset, name=name)
 
-  def sliding_window(self, layer_index) -> int | jax.Array:
-    """Sliding-window size of attention in this layer; 0 attends to the whole context."""
-    del layer_index
+  @classmethod
+  def sliding_window(cls, config: Config, layer_index) -> int | jax.Array:
+    """Sliding-window size of attention in layer `layer_index` (an int, or traced inside a scan; an int gives an
+    int); 0 attends to the whole context."""
+    del config, layer_index
     return 0
+
+  @classmethod
+  def attention_pairs(cls, config: Config, layer_index: int, length: int) -> float:
+    """The (query, key) pairs layer `layer_index` attends in a sequence of `length` tokens (causal_pairs' count)."""
+    return causal_pairs(length, window=cls.sliding_window(config, layer_index))
+
+  @classmethod
+  def attention_flops(cls, config: Config) -> AttentionFlops:
+    """Grouped-query attention: q/k/v projections 2*E*(H + 2*KV)*D and the output 2*E*H*D per token; per pair,
+    q.k and the weighted v, 2*D each per head."""
+    e, h, kv, d = config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim
+    return AttentionFlops(projections=2 * e * (h + 2 * kv) * d + 2 * e * h * d, per_pair=4 * h * d)
+
+  @classmethod
+  def mlp_flops(cls, config: Config) -> float:
+    """Per token: a gated MLP's input projections (one per mlp_activations entry) and its output, 2*E*M each; for a
+    mixture of experts (moe) the router 2*E*num_experts and the MLPs of the num_experts_per_tok chosen and the
+    shared experts, at moe_mlp_dim (active parameters only, as MaxText counts)."""
+    matmuls = len(config.mlp_activations) + 1
+    if not cls.moe:
+      return 2 * config.emb_dim * config.mlp_dim * matmuls
+    active = config.num_experts_per_tok + config.shared_experts
+    return 2 * config.emb_dim * config.num_experts + 2 * config.emb_dim * config.moe_mlp_dim * matmuls * active
 
   def attention(self) -> Attention:
     return Attention(self.config, self.mesh, self.model_mode, use_qk_norm=self.qk_norm, name="self_attention")
@@ -70,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
     dropout = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))
 
     h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
-    window = self.sliding_window(layer_index)
+    window = self.sliding_window(cfg, layer_index)
     h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions, window)
     x = x + dropout(self.after_attention(h), deterministic=self.deterministic)
 

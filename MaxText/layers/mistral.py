@@ -4,12 +4,14 @@ Every layer attends to the last `sliding_window_size` positions only (0 disables
 7B v0.2 and later).
 """
 
+from MaxText.common_types import Config
 from MaxText.layers.llama import LlamaDecoderLayer
 
 
 class MistralDecoderLayer(LlamaDecoderLayer):
   """Llama's layer (see there) whose attention is windowed in every layer."""
 
-  def sliding_window(self, layer_index) -> int:
+  @classmethod
+  def sliding_window(cls, config: Config, layer_index) -> int:
     del layer_index
-    return self.config.sliding_window_size
+    return config.sliding_window_size

@@ -12,5 +12,7 @@ from MaxText.layers.moe import MoeBlock
 class MixtralDecoderLayer(MistralDecoderLayer):
   """Mistral's layer (see there) whose MLP is an MoeBlock with renormalised top-k weights."""
 
+  moe = True
+
   def mlp(self) -> MoeBlock:
     return MoeBlock(self.config, self.mesh, renormalize=True, name="mlp")

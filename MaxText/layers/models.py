@@ -1,14 +1,14 @@
-"""The decoder-only Transformer: embeddings, a stack of one family's decoder layers (families.py), the output."""
+"""The decoder-only Transformer: embeddings, the stacks of its decoder_block's layers (decoders.py), the output."""
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from MaxText import common_types as ct
-from MaxText import families, sharding
+from MaxText import sharding
 from MaxText.common_types import Config
-from MaxText.layers import context_parallel, pipeline
-from MaxText.layers.attention_kernels import soft_cap
+from MaxText.layers import context_parallel, decoders, pipeline
+from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 
@@ -96,11 +96,12 @@ class Transformer(nn.Module):
   model_mode: str = ct.MODEL_MODE_TRAIN
 
   @nn.compact
-  def __call__(
+  def __call__(  # noqa: PLR0913 (the model's three inputs, then its options and decoding's cache, all by keyword)
     self,
     tokens,
     segment_ids,
     positions,
+    *,
     deterministic: bool = True,
     input_embeddings=None,
     cache=None,
@@ -109,7 +110,7 @@ class Transformer(nn.Module):
     return_hidden: bool = False,
   ):
     cfg, mode = self.config, self.model_mode
-    family = families.get(cfg.decoder_block).layer
+    family = decoders.layer(cfg.decoder_block)
     # Context parallelism with load balancing: the layers see the tokens in load-balanced order (attention's work
     # even across devices); the activations return to the natural order before the output head.
     balanced = context_parallel.reorders(cfg, self.mesh, mode)
@@ -136,7 +137,7 @@ class Transformer(nn.Module):
       policy = remat_policy(cfg.remat_policy, platform)
     deterministic = deterministic or not cfg.enable_dropout or cfg.dropout_rate == 0.0
     kvs = []
-    stacks = families.layer_stacks(cfg)
+    stacks = decoders.layer_stacks(cfg)
     for stack in stacks:
       block = nn.remat(stack.layer, policy=policy, prevent_cse=not cfg.scan_layers) if remat else stack.layer
       if stack is stacks[-1] and pipeline.runs(cfg, self.mesh, mode) and not self.is_initializing():
@@ -174,7 +175,7 @@ class Transformer(nn.Module):
     logits = sharding.constrain(logits, (ct.BATCH, ct.LENGTH, ct.ACT_VOCAB), self.mesh, cfg)
     return logits if mode == ct.MODEL_MODE_TRAIN else (logits, kv)
 
-  def _pipeline(self, layer: nn.Module, stack: families.Stack, x, segment_ids, positions):
+  def _pipeline(self, layer: nn.Module, stack: decoders.Stack, x, segment_ids, positions):
     """The last stack's layers through the pipeline (layers/pipeline.py), on its parameters as they are stored
     (scanned: [layers, ...]; unrolled: one entry per layer, stacked here), sowing what the layers sow where they
     would have."""
@@ -185,7 +186,7 @@ class Transformer(nn.Module):
       names = [f"{stack.name}_{j}" for j in range(stack.count)]
       stacked = jax.tree_util.tree_map(lambda *p: jnp.stack(p), *[params[name] for name in names])
     rng = None if layer.deterministic else self.make_rng("dropout")
-    x, sown = pipeline.run(cfg, self.mesh, layer, stacked, x, segment_ids, positions, stack.start, rng)
+    x, sown = pipeline.run(layer, stacked, x, segment_ids, positions, stack.start, rng)
     if sown and cfg.scan_layers:
       pipeline.Sow(name=stack.name)(sown)
     elif sown:

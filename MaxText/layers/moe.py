@@ -16,7 +16,7 @@ The experts run one of three ways, which compute the same function (tests):
     (zero for experts not chosen) combine them: num_experts / k times the FLOPs, the plainest form.
 
 The load-balancing loss (Switch's, as MaxText weights it) is sown as `moe_lb_loss` in the `intermediates`
-collection; train.loss_fn adds its mean over layers to the loss. The capacity path also sows `moe_dropped`, the
+collection; step.loss_fn adds its mean over layers to the loss. The capacity path also sows `moe_dropped`, the
 number of assignments it dropped.
 """
 
@@ -36,6 +36,10 @@ from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers.grouped_matmul import grouped_matmul
 from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, dtypes
+
+# routed_score_func: the router's scores, "" or "softmax" (a softmax over the experts) or "sigmoid" (each expert's
+# own sigmoid, DeepSeek-V3).
+SCORE_FUNCS = ("", "softmax", "sigmoid")
 
 
 def route(logits_TN: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -78,15 +78,16 @@ def apply_layers(block: nn.Module, params, x, segment_ids, positions, indices, r
   return jax.lax.scan(layer, x, (params, indices))
 
 
-def run(config: Config, mesh, block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
+def run(block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
   """A stack of layers on x [batch, length, embed], its first pipeline_parallel_layers through the pipeline and
   the rest after it, in order: (x after them, what they sowed as {path: [layers, ...]}).
 
-  params: the stack's parameters, [layers, ...] (layer number `first_layer` first); rng: dropout key or None."""
-  n = config.pipeline_parallel_layers
+  block: the decoder layer (remat included), whose config and mesh the pipeline follows; params: the stack's
+  parameters, [layers, ...] (layer number `first_layer` first); rng: dropout key or None."""
+  n = block.config.pipeline_parallel_layers
   count = jax.tree_util.tree_leaves(params)[0].shape[0]
   head = jax.tree_util.tree_map(lambda p: p[:n], params)
-  x, sown = _pipelined(config, mesh, block, head, x, segment_ids, positions, first_layer, rng)
+  x, sown = _pipelined(block, head, x, segment_ids, positions, first_layer, rng)
   if n == count:
     return x, sown
   tail = jax.tree_util.tree_map(lambda p: p[n:], params)
@@ -96,8 +97,9 @@ def run(config: Config, mesh, block: nn.Module, params, x, segment_ids, position
   return x, traverse_util.unflatten_dict({path: jnp.concatenate([flat[path], rest[path]]) for path in flat})
 
 
-def _pipelined(config: Config, mesh, block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
+def _pipelined(block: nn.Module, params, x, segment_ids, positions, first_layer: int, rng):
   """run()'s pipeline: params [pipeline_parallel_layers, ...]."""
+  config, mesh = block.config, block.mesh
   s, m, r = num_stages(config), config.num_pipeline_microbatches, config.num_pipeline_repeats
   lps = config.num_layers_per_pipeline_stage
   b, length, emb = x.shape

@@ -11,5 +11,7 @@ from MaxText.layers.qwen3 import Qwen3DecoderLayer
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
   """Qwen 3's layer (see there) whose MLP is an MoeBlock."""
 
+  moe = True
+
   def mlp(self) -> MoeBlock:
     return MoeBlock(self.config, self.mesh, renormalize=self.config.norm_topk_prob, name="mlp")

@@ -18,6 +18,7 @@ import yaml
 from jax.sharding import Mesh
 
 from MaxText.layers import attention_kernels as ak
+from MaxText.layers.attention_kernels import AttentionSettings
 from MaxText.tests.helpers import BASE_YML
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -96,7 +97,8 @@ def _assert_as_accurate(got, bf16, exact):
 
 
 def _reference(window=0, cap=0.0):
-  return lambda q, k, v, seg, pos: ak.dot_product_attention(q, k, v, seg, pos, HIGHEST, window, cap)
+  settings = AttentionSettings(window=window, cap=cap, precision=HIGHEST)
+  return lambda q, k, v, seg, pos: ak.dot_product_attention(q, k, v, seg, pos, settings)
 
 
 # ------------------------------------------------------------------------------------------------- blockwise
@@ -114,9 +116,8 @@ def test_blockwise_matches_dot_product(heads, kv_heads, block_q, block_kv, windo
   q, k, v, w, seg, pos = _inputs(2, 37, heads, kv_heads)
 
   def blockwise(q, k, v, seg, pos):
-    return ak.blockwise_attention(
-      q, k, v, seg, pos, block_q=block_q, block_kv=block_kv, window=window, cap=cap, precision=HIGHEST
-    )
+    settings = AttentionSettings(window=window, cap=cap, precision=HIGHEST, block_q=block_q, block_kv=block_kv)
+    return ak.blockwise_attention(q, k, v, seg, pos, settings)
 
   _assert_close(
     _out_and_grads(blockwise, q, k, v, w, seg, pos), _out_and_grads(_reference(window, cap), q, k, v, w, seg, pos)
@@ -138,10 +139,10 @@ def test_blockwise_traced_window_in_scan():
     return run
 
   def blockwise(q, k, v, seg, pos, window):
-    return ak.blockwise_attention(q, k, v, seg, pos, block_q=16, block_kv=16, window=window, precision=HIGHEST)
+    return ak.blockwise_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST, block_q=16, block_kv=16))
 
   def reference(q, k, v, seg, pos, window):
-    return ak.dot_product_attention(q, k, v, seg, pos, HIGHEST, window)
+    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST))
 
   want = _out_and_grads(layers(reference, [12, 0]), q, k, v, w, seg, pos)
   _assert_close(_out_and_grads(layers(blockwise, [12, 0]), q, k, v, w, seg, pos), want)
@@ -159,7 +160,7 @@ def test_blockwise_bfloat16_is_as_accurate_as_dot_product():
   exact = _out_and_grads(_reference(), *f32, w, seg, pos)
 
   def blockwise(q, k, v, seg, pos):
-    return ak.blockwise_attention(q, k, v, seg, pos, block_q=16, block_kv=8, precision=HIGHEST)
+    return ak.blockwise_attention(q, k, v, seg, pos, AttentionSettings(precision=HIGHEST, block_q=16, block_kv=8))
 
   got = _out_and_grads(blockwise, q, k, v, w, seg, pos)
   bf16 = _out_and_grads(_reference(), q, k, v, w, seg, pos)
@@ -180,7 +181,7 @@ def test_blockwise_memory_grows_linearly():
     return jax.jit(loss).lower(q, q, q, ids, ids).compile().memory_analysis().temp_size_in_bytes
 
   def blockwise(q, k, v, seg, pos):
-    return ak.blockwise_attention(q, k, v, seg, pos, block_q=128, block_kv=128)
+    return ak.blockwise_attention(q, k, v, seg, pos, AttentionSettings(block_q=128, block_kv=128))
 
   scores = 4096 * 4096 * 4
   small, large = temp_bytes(blockwise, 2048), temp_bytes(blockwise, 4096)
@@ -206,7 +207,8 @@ def test_splash_matches_dot_product(kv_heads, window, cap, fused):
   q, k, v, w, seg, pos = _inputs(2, 256, 4, kv_heads, docs=(100, 30, 106))
 
   def splash(q, k, v, seg, pos):
-    return ak.splash_attention(q, k, v, seg, pos, config=cfg, window=window, cap=cap, interpret=True)
+    settings = AttentionSettings.from_config(cfg, window=window, cap=cap, interpret=True)
+    return ak.splash_attention(q, k, v, seg, pos, settings)
 
   _assert_close(_out_and_grads(splash, q, k, v, w, seg, pos), _out_and_grads(_reference(window, cap), q, k, v, w, seg, pos))
 
@@ -217,10 +219,12 @@ def test_splash_traced_window_switches_kernels():
   cfg = _config()
   q, k, v, w, seg, pos = _inputs(1, 256, 2, 1, docs=(150,))
   splash = jax.jit(
-    lambda q, k, v, seg, pos, window: ak.splash_attention(q, k, v, seg, pos, config=cfg, window=window, interpret=True)
+    lambda q, k, v, seg, pos, window: ak.splash_attention(
+      q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=window, interpret=True)
+    )
   )
   for window in (cfg.sliding_window_size, 0, 24):
-    want = ak.dot_product_attention(q, k, v, seg, pos, HIGHEST, window)
+    want = ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST))
     got = splash(q, k, v, seg, pos, jnp.asarray(window, jnp.int32))
     np.testing.assert_allclose(got, want, atol=FWD_ATOL, rtol=0, err_msg=f"window={window}")
 
@@ -236,7 +240,7 @@ def test_splash_under_shard_map(kv_heads):
   q, k, v, w, seg, pos = _inputs(2, 256, 4, kv_heads, docs=(100, 30, 106))
 
   def splash(q, k, v, seg, pos):
-    return ak.splash_attention(q, k, v, seg, pos, config=cfg, mesh=mesh, window=40, interpret=True)
+    return ak.splash_attention(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=40, interpret=True), mesh)
 
   _assert_close(_out_and_grads(splash, q, k, v, w, seg, pos), _out_and_grads(_reference(40), q, k, v, w, seg, pos))
 
@@ -257,7 +261,8 @@ def test_cudnn_call_through_xla(window):
   """The exact jax.nn.dot_product_attention call of the cuDNN path (document mask, causal flag, window, GQA,
   scale 1), run by its XLA implementation: equal to the reference. Packed rows, so the mask matters."""
   q, k, v, _, seg, pos = _inputs(2, 36, 4, 2)
-  got = jax.jit(lambda q, k, v, seg: ak.cudnn_attention(q, k, v, seg, window=window, implementation="xla"))(q, k, v, seg)
+  settings = AttentionSettings(window)
+  got = jax.jit(lambda q, k, v, seg: ak.cudnn_attention(q, k, v, seg, settings, implementation="xla"))(q, k, v, seg)
   want = jax.jit(_reference(window))(q, k, v, seg, pos)
   np.testing.assert_allclose(got, want, atol=FWD_ATOL, rtol=0)
 
@@ -268,7 +273,8 @@ def test_cudnn_matches_dot_product_on_gpu(window):
   """bf16 inputs: cuDNN's error against a float32 reference is at most 1.5x dot_product's in bf16 (+1e-3)."""
   q, k, v, w, seg, pos = _inputs(2, 256, 4, 2, head_dim=64, docs=(100, 30, 106), dtype=jnp.bfloat16)
   exact = _out_and_grads(_reference(window), *[x.astype(jnp.float32) for x in (q, k, v)], w, seg, pos)
-  got = _out_and_grads(lambda q, k, v, seg, pos: ak.cudnn_attention(q, k, v, seg, window=window), q, k, v, w, seg, pos)
+  settings = AttentionSettings(window)
+  got = _out_and_grads(lambda q, k, v, seg, pos: ak.cudnn_attention(q, k, v, seg, settings), q, k, v, w, seg, pos)
   bf16 = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
   _assert_as_accurate(got, bf16, exact)
 
@@ -293,7 +299,7 @@ def test_cudnn_refuses_what_it_cannot_do(name, dtype, head_dim, length, window, 
   ids = jnp.zeros((1, length), jnp.int32)
 
   def call(window):
-    return ak.attend(q, q, q, ids, ids, config=cfg, mesh=None, window=window, cap=cap)
+    return ak.attend(q, q, q, ids, ids, AttentionSettings.from_config(cfg, window=window, cap=cap), mesh=None)
 
   with pytest.raises(ValueError) as error:
     if window == "traced":
@@ -340,14 +346,14 @@ def test_select():
 def test_attend_dispatches_on_the_cpu(monkeypatch, attention, length, called):
   """attend() runs the kernel select() names, with the config's blocks and precision (kernels stubbed)."""
   calls = []
-  monkeypatch.setattr(ak, "blockwise_attention", lambda *a, **kw: calls.append(("blockwise", kw)) or a[0])
-  monkeypatch.setattr(ak, "dot_product_attention", lambda *a: calls.append(("dot", a[5:])) or a[0])
+  monkeypatch.setattr(ak, "blockwise_attention", lambda *a: calls.append(("blockwise", a[5])) or a[0])
+  monkeypatch.setattr(ak, "dot_product_attention", lambda *a: calls.append(("dot", a[5])) or a[0])
   q = jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32)
   ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
   cfg = _config(attention=attention, sa_block_q=256, sa_block_kv=64)
-  jax.eval_shape(lambda q, ids: ak.attend(q, q, q, ids, ids, config=cfg, window=5, cap=2.0), q, ids)
+  jax.eval_shape(lambda q, ids: ak.attend(q, q, q, ids, ids, AttentionSettings.from_config(cfg, window=5, cap=2.0)), q, ids)
   assert [c[0] for c in calls] == [called]
+  settings = calls[0][1]
   if called == "blockwise":
-    assert calls[0][1] == {"block_q": 256, "block_kv": 64, "window": 5, "cap": 2.0, "precision": HIGHEST}
-  else:
-    assert calls[0][1] == (HIGHEST, 5, 2.0)
+    assert (settings.block_q, settings.block_kv) == (256, 64)
+  assert (settings.precision, settings.window, settings.cap) == (HIGHEST, 5, 2.0)

@@ -14,6 +14,7 @@ from MaxText import sharding
 from MaxText.common_types import ConfigError
 from MaxText.layers import context_parallel as cp
 from MaxText.layers import models
+from MaxText.layers.attention_kernels import AttentionSettings
 from MaxText.tests.attention_kernels_test import _assert_close, _inputs, _out_and_grads, _reference
 from MaxText.tests.helpers import assert_mesh_loss_and_grads_equal, config, train_batch
 
@@ -61,7 +62,7 @@ def test_split_attention_equals_the_reference(degree, strategy, kernel, balanced
   order = cp.load_balanced_order(LENGTH, degree) if balanced else np.arange(LENGTH)
 
   def split(q, k, v, seg, pos):
-    return cp.attend(q, k, v, seg, pos, config=cfg, mesh=mesh, window=window, cap=cap)
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=window, cap=cap), mesh=mesh)
 
   got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)))
   want = _out_and_grads(_reference(window, cap), q, k, v, w, seg, pos)
@@ -80,7 +81,7 @@ def test_pieces_that_are_no_multiple_of_the_blocks(strategy, axes):
   order = cp.load_balanced_order(48, 4)
 
   def split(q, k, v, seg, pos):
-    return cp.attend(q, k, v, seg, pos, config=cfg, mesh=mesh, window=9)
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=9), mesh=mesh)
 
   got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)))
   want = _out_and_grads(_reference(9), q, k, v, w, seg, pos)
@@ -96,7 +97,7 @@ def test_split_attention_with_tensor_parallel_heads_and_a_traced_window(strategy
   order = cp.load_balanced_order(LENGTH, 4)
 
   def split(q, k, v, seg, pos, window):
-    return cp.attend(q, k, v, seg, pos, config=cfg, mesh=mesh, window=window)
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=window), mesh=mesh)
 
   for window in (0, 9):
     got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)), jnp.int32(window))

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from MaxText import common_types as ct
 from MaxText import metrics, optimizers, sharding, train
 from MaxText import state as state_lib
+from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.inference import decoding
 from MaxText.layers import models
@@ -68,7 +70,7 @@ def test_decoding_from_the_latent_cache_equals_the_uncached_forward():
 
 def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
-  loss = lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
+  loss = lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
@@ -236,7 +238,7 @@ def test_a_training_step_moves_each_routing_bias_towards_balance(scan):
     schedule = optimizers.learning_rate_schedule(step_cfg)
     tx = optimizers.create_optimizer(step_cfg, schedule)
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    new_state, _ = jax.jit(lambda s, b: train.train_step(model, step_cfg, tx, schedule, s, b))(state, batch)
+    new_state, _ = jax.jit(lambda s, b: step_lib.train_step(model, step_cfg, tx, schedule, s, b))(state, batch)
     for stack in stacks:
       counts = np.asarray(sown["intermediates"][stack]["mlp"]["moe_expert_counts"][0], np.float64)
       want = np.asarray(params[stack]["mlp"]["gate_bias"], np.float64)
@@ -255,7 +257,7 @@ def test_sharded_decode_equals_single_device():
   rng = np.random.default_rng(2)
   prompts = [rng.integers(1, one.vocab_size, n).astype(np.int32) for n in (4, 12, 7, 1, 16, 9, 14, 3)]
   cache8 = assert_sharded_decode_equals_one_device(one, eight, _init(one), prompts)
-  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec(decoding.LATENT_CACHE_KV_AXES, eight)
+  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec((ct.LAYERS, *ct.LATENT_CACHE_AXES), eight)
 
 
 def test_a_scan_layers_mismatch_names_the_layout_for_the_dense_and_moe_stacks(tmp_path):

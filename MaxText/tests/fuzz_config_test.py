@@ -176,10 +176,23 @@ def test_the_fuzzer_draws_every_kind_of_mistake():
   assert len({tuple(case) for _, case in cases}) > CASES // 2  # mostly distinct command lines
 
 
-def test_the_valid_command_line_itself_runs(tmp_path):
-  """The fuzzer's base command line trains: its failures are the mutations'."""
-  valid = overrides("run_name=fuzz", f"base_output_directory={tmp_path}", "steps=1", "override_model_config=true")
+def test_the_valid_command_line_itself_runs(tmp_path, capsys):
+  """The fuzzer's base command line trains: its failures are the mutations'. It trains the step it asks for: the
+  loss it prints is the metrics file's (to the 4 printed decimals), and the run folder's config.yml holds its keys."""
+  import json
+  import re
+
+  metrics = tmp_path / "m.jsonl"
+  valid = overrides("run_name=fuzz", f"base_output_directory={tmp_path}", "steps=1", "override_model_config=true",
+                    f"metrics_file={metrics}")  # fmt: skip
+  capsys.readouterr()
   assert train.main(["train.py", BASE_YML, *valid]) == 0
+  (printed,) = re.findall(r"completed step: 0, .*loss: ([-\d.]+)", capsys.readouterr().out)
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [r["step"] for r in records if "learning/loss" in r] == [0] and "goodput" in records[-1]
+  assert abs(records[0]["learning/loss"] - float(printed)) <= 5e-5, (records[0], printed)
+  written = yaml.safe_load((tmp_path / "fuzz" / "config.yml").read_text())
+  assert written["steps"] == 1 and written["run_name"] == "fuzz" and written["metrics_file"] == str(metrics)
 
 
 # ------------------------------------------------------------------------------------------ config files

@@ -19,12 +19,17 @@ import time
 
 import google.auth
 import google.auth.exceptions
+import jax
+import numpy as np
 import pytest
+from flax import linen as nn
+from safetensors.numpy import load_file
 
-from MaxText import storage, train_tokenizer
+from MaxText import checkpointing, storage, train_tokenizer
 from MaxText.common_types import ConfigError
+from MaxText.layers import models
 from MaxText.tests import gcs
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, overrides, run
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides, run
 
 BUCKET = "maxtext-test"
 # Saves to the emulator take a few tenths of a second: 30 of them leave time to kill the run after checkpoint 20.
@@ -112,7 +117,14 @@ def test_a_run_on_a_bucket_is_killed_and_resumes_from_it_exactly(bucket, tmp_pat
   export += ["override_model_config=true", items, f"hf_model_path={tmp_path}/hf", "jax_cache_dir="]
   exported = run(export, env)
   assert exported.returncode == 0, exported.stderr
-  assert os.path.isfile(tmp_path / "hf" / "config.json")
+  # The exported tensors are the checkpoint's, bit for bit (the export keeps the stored dtype).
+  cfg = config(*RUN, items)
+  abstract = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
+  params, _ = checkpointing.restore_host_params(cfg, nn.meta.unbox(abstract)["params"])
+  tensors = load_file(os.path.join(tmp_path, "hf", "model.safetensors"))
+  np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], params["token_embedder"]["embedding"])
+  np.testing.assert_array_equal(tensors["lm_head.weight"], params["logits_dense"]["kernel"].T)
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 512
 
   # How a damaged checkpoint is set aside on a bucket: its objects move, and it is no longer a step.
   storage.rename(f"{runs}/killed/checkpoints/300", f"{runs}/killed/checkpoints/300.damaged")

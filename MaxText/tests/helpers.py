@@ -79,7 +79,8 @@ def assert_sharded_decode_equals_one_device(one, eight, params, prompts):
 def assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol: float, grad_atol: float):
   """The summed loss_fn of config `one` without a mesh and of `cfg` on all 8 devices (params replicated there), and
   every gradient: the loss within `rtol`, each gradient within grad_atol x the largest of its reference's entries."""
-  from MaxText import sharding, train
+  from MaxText import sharding
+  from MaxText import step as step_lib
   from MaxText.layers import models
 
   def loss_and_grads(cfg, mesh):
@@ -87,7 +88,7 @@ def assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol: float, grad_
     placed = (
       params if mesh is None else jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     )
-    grad = jax.value_and_grad(lambda p, b: train.loss_fn(model, p, b, jax.random.key(0), True)[0])
+    grad = jax.value_and_grad(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
     return jax.jit(grad)(placed, batch)
 
   loss1, grads1 = loss_and_grads(one, None)

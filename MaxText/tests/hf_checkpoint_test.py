@@ -1,9 +1,9 @@
 """Hugging Face checkpoints of every family against transformers itself, on small random models (float32, CPU).
 
-Each family: a random transformers model is saved, imported with convert_hf_checkpoint.py, and our logits on a
-padded batch match transformers' (max |difference| <= 1e-4 x max |logit|); greedy decoding matches
-`generate(do_sample=False)` token for token; exporting gives back the original safetensors bit for bit, and
-the exported folder loads in transformers with the same logits.
+Each example of each family (its module's hf_examples, found through the registry): a random transformers model is
+saved, imported with convert_hf_checkpoint.py, and our logits on a padded batch match transformers' (max |difference|
+<= 1e-4 x max |logit|); greedy decoding matches `generate(do_sample=False)` token for token; exporting gives back the
+original safetensors bit for bit, and the exported folder loads in transformers with the same logits.
 """
 
 import json
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, convert_hf_checkpoint, convert_to_hf_checkpoint, sharding
+from MaxText import checkpointing, convert_hf_checkpoint, convert_to_hf_checkpoint, families, sharding
 from MaxText import state as state_lib
 from MaxText.inference import decoding
 from MaxText.layers import models
@@ -22,80 +22,37 @@ from MaxText.tests.helpers import BASE_YML, config
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, max_position_embeddings=128)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
-
-def hf_model(family: str):
-  """A random transformers model of `family`: GQA or MQA with odd group sizes, tied and untied heads."""
-  t = transformers
-  if family == "llama":  # Llama 3.1 RoPE scaling, 6 query heads over 2 KV heads, untied
-    rope = LLAMA3_ROPE | {"original_max_position_embeddings": 16, "rope_theta": 5000.0}
-    cfg = t.LlamaConfig(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=8, rope_scaling=rope)
-    return t.LlamaForCausalLM(cfg)
-  if family == "mistral":  # sliding window 5 (shorter than the test sequences), 3 heads over 1 KV head
-    cfg = t.MistralConfig(**COMMON, num_attention_heads=3, num_key_value_heads=1, head_dim=16, sliding_window=5)
-    return t.MistralForCausalLM(cfg)
-  if family == "qwen3":  # QK-norm, heads x head_dim != hidden, tied
-    cfg = t.Qwen3Config(**COMMON, num_attention_heads=6, num_key_value_heads=3, head_dim=10, tie_word_embeddings=True)
-    return t.Qwen3ForCausalLM(cfg)
-  if family == "qwen3_yarn":  # YaRN RoPE scaling 4x over 16 original positions (the test rows reach 32)
-    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5000.0}
-    cfg = t.Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_scaling=rope)
-    return t.Qwen3ForCausalLM(cfg)
-  if family == "gemma":  # multi-query attention, tied
-    return t.GemmaForCausalLM(t.GemmaConfig(**COMMON, num_attention_heads=3, num_key_value_heads=1, head_dim=16))
-  if family == "gemma2":  # local/global layers, soft-capping, query_pre_attn_scalar != head_dim
-    cfg = t.Gemma2Config(
-      **COMMON,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      head_dim=12,
-      sliding_window=5,
-      query_pre_attn_scalar=20,
-      attn_logit_softcapping=5.0,
-      final_logit_softcapping=3.0,
-    )
-    return t.Gemma2ForCausalLM(cfg)
-  if family == "mixtral":  # 4 experts, top-2 (renormalised), sliding window 5
-    cfg = t.MixtralConfig(
-      **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
-      sliding_window=5,
-    )  # fmt: skip
-    return t.MixtralForCausalLM(cfg)
-  if family == "qwen3_moe":  # QK-norm, 6 experts of 40, top-3 not renormalised (norm_topk_prob=false)
-    cfg = t.Qwen3MoeConfig(
-      **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=10, num_experts=6, num_experts_per_tok=3,
-      moe_intermediate_size=40, norm_topk_prob=False,
-    )  # fmt: skip
-    return t.Qwen3MoeForCausalLM(cfg)
-  if family in ("deepseek", "deepseek_plain"):
-    # MLA over 1 dense then 2 MoE layers: 8 experts in 4 groups, top-2 from the best 2 groups, a shared expert.
-    # deepseek: compressed queries, interleaved RoPE, YaRN 4x over 16 positions with its softmax temperature
-    # (mscale 0.8); deepseek_plain: queries projected directly, rotate-half RoPE without scaling.
-    plain = family == "deepseek_plain"
-    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5000.0}
-    rope |= {"mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 8.0, "beta_slow": 2.0}
-    cfg = t.DeepseekV3Config(
-      **COMMON, num_attention_heads=3, num_key_value_heads=3, moe_intermediate_size=24, first_k_dense_replace=1,
-      n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-      q_lora_rank=None if plain else 24, kv_lora_rank=16, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14,
-      rope_interleave=not plain, rope_parameters={"rope_type": "default", "rope_theta": 5000.0} if plain else rope,
-    )  # fmt: skip
-    return t.DeepseekV3ForCausalLM(cfg)
-  if family == "gpt2":  # 3 heads, learned positions, biases
-    return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=96, n_embd=36, n_layer=3, n_head=3, n_positions=64))
-  raise ValueError(family)
+# Every family's small random transformers models (its module's hf_examples), by example name.
+EXAMPLES = {name: (family, ex) for family in families.FAMILIES.values() for name, ex in family.hf_examples.items()}
 
 
-def save_random(family: str, folder: str, max_shard_size: str | None = None):
+def test_every_family_with_a_hugging_face_mapping_has_its_examples():
+  """A family that converts to and from Hugging Face's format is tested against transformers: it gives at least one
+  example, and example names are unique across families (save_random finds one by its name alone)."""
+  named = [name for family in families.FAMILIES.values() for name in family.hf_examples]
+  assert len(named) == len(set(named))
+  assert all(family.hf_examples for family in families.FAMILIES.values() if family.hf is not None)
+
+
+def hf_model(name: str):
+  """The random transformers model of example `name` (a family's hf_examples): its model_type's config class with
+  the example's keys, and that model type's causal LM."""
+  family, example = EXAMPLES[name]
+  cfg = transformers.AutoConfig.for_model(family.hf.model_type, **example.config)
+  return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def save_random(name: str, folder: str, max_shard_size: str | None = None):
+  """Example `name`'s model with random weights, saved to `folder` in transformers' format."""
   torch.manual_seed(0)
-  model = hf_model(family).eval()
+  model = hf_model(name).eval()
   with torch.no_grad():
     for p in model.parameters():  # norms and biases random too, so every tensor's mapping is tested
       p.normal_(0.0, 0.3)
-    for name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer
-      if name.endswith("e_score_correction_bias"):
+    for buffer_name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer
+      if buffer_name.endswith("e_score_correction_bias"):
         b.normal_(0.0, 0.3)
   model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
   model.generation_config.eos_token_id = None
@@ -162,16 +119,12 @@ def assert_close(ours, theirs, valid):
   assert err <= 1e-4, f"relative logit difference {err:.2e}"
 
 
-FAMILIES = [
-  "llama", "mistral", "mixtral", "qwen3", "qwen3_yarn", "qwen3_moe", "deepseek", "deepseek_plain", "gemma", "gemma2", "gpt2"
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_import_matches_transformers_and_export_round_trips(family, tmp_path):
-  scan = "false" if family in ("qwen3", "qwen3_moe", "deepseek_plain", "gpt2") else "true"  # both layouts are covered
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
+  example = EXAMPLES[name][1]
+  scan = "true" if example.scan_layers else "false"  # the examples between them cover both layouts
   hf_dir = str(tmp_path / "hf")
-  model = save_random(family, hf_dir, max_shard_size="40KB" if family == "llama" else None)  # llama: sharded
+  model = save_random(name, hf_dir, max_shard_size=example.max_shard_size)
   ckpt = import_hf(hf_dir, str(tmp_path / "out"), scan)
 
   cfg = our_config(ckpt, scan=scan)
@@ -243,7 +196,6 @@ def test_bfloat16_round_trip_is_bit_exact(tmp_path):
 
 def test_config_json_of_transformers_4_and_5_give_the_same_keys():
   """rope_theta + rope_scaling (4.x) and rope_parameters (5.x) read alike; layer_types must fit the family."""
-  from MaxText import families
   from MaxText.common_types import ConfigError
 
   base = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96)

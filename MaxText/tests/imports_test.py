@@ -62,17 +62,27 @@ def _reachable(graph, start: str) -> set[str]:
   return seen
 
 
-# The one exception: train_compile.py compiles train.py's own step (the same function and shardings), not a copy.
-ALLOWED = {("MaxText.train_compile", "MaxText.train")}
-
-
 def test_no_module_imports_an_entry_point():
+  """No exception: what two scripts share lives in a library module (train.py's and train_compile.py's step in
+  step.py)."""
   modules = _modules()
   scripts = _entry_points(modules)
   assert {"MaxText.train", "MaxText.decode", "MaxText.convert_hf_checkpoint", "MaxText.train_compile"} <= scripts
   for name, imported in _graph().items():
-    imported_scripts = {script for script in imported & scripts if (name, script) not in ALLOWED}
-    assert not imported_scripts, f"{name} imports the script(s) {sorted(imported_scripts)}"
+    assert not imported & scripts, f"{name} imports the script(s) {sorted(imported & scripts)}"
+
+
+def test_the_step_checkpointing_and_cli_reach_no_entry_point():
+  """The modules the scripts share (the step, checkpointing with its disk policy, the command-line code with its
+  signal handling) reach no script, even through the modules they import; and train_compile.py gets the step it
+  compiles from step.py, as train.py does."""
+  graph = _graph()
+  scripts = _entry_points(_modules())
+  shared = ("MaxText.step", "MaxText.checkpointing", "MaxText.cli")
+  assert not set(shared) & scripts
+  for name in shared:
+    assert not _reachable(graph, name) & scripts, f"{name} reaches the script(s) {sorted(_reachable(graph, name) & scripts)}"
+  assert "MaxText.step" in graph["MaxText.train_compile"] and "MaxText.step" in graph["MaxText.train"]
 
 
 def test_the_import_graph_has_no_cycle():
@@ -103,3 +113,20 @@ def test_layers_and_config_come_before_state_checkpointing_and_scripts():
     )
   assert not _reachable(graph, "MaxText.pyconfig") & {"MaxText.state", "MaxText.checkpointing", "MaxText.cli", *scripts}
   assert not _reachable(graph, "MaxText.common_types")
+
+
+def test_layers_know_nothing_of_families_or_conversion():
+  """Layers -> families -> convert is one way: no layer module reaches the family registry, a family module or the
+  Hugging Face conversion code (the families give their layers to layers/decoders.py instead), and the family
+  modules, which the registry imports by listing its folder (invisible to this graph), stay below pyconfig too."""
+  graph = _graph()
+  layers = [name for name in graph if name == "MaxText.layers" or name.startswith("MaxText.layers.")]
+  assert "MaxText.layers.models" in layers and "MaxText.layers.decoders" in layers
+  for layer in layers:
+    reached = {n for n in _reachable(graph, layer) if n.startswith(("MaxText.families", "MaxText.convert"))}
+    assert not reached, f"{layer} reaches {sorted(reached)}"
+  family_modules = [name for name in graph if name.startswith("MaxText.families.")]
+  assert "MaxText.families.llama2" in family_modules
+  above = {"MaxText.pyconfig", "MaxText.state", "MaxText.checkpointing", "MaxText.cli", *_entry_points(_modules())}
+  for module in family_modules:
+    assert not _reachable(graph, module) & above, f"{module} reaches {_reachable(graph, module) & above}"

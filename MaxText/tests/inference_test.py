@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from MaxText import common_types as ct
 from MaxText import decode, generate_param_only_checkpoint, inference_microbenchmark, sharding, train, train_tokenizer
 from MaxText.inference import decoding
 from MaxText.inference.sampling import Sampling, sample
@@ -187,7 +188,7 @@ def test_sharded_decode_equals_single_device():
   eight = config(*DECODE, "per_device_batch_size=1", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
   _, params = _params(one)
   cache8 = assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
-  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec(decoding.CACHE_KV_AXES, eight)
+  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec((ct.LAYERS, *ct.CACHE_AXES), eight)
   assert len(cache8.keys.sharding.device_set) == 8
 
 

@@ -68,7 +68,7 @@ def test_packing_places_every_token_once_in_order():
 def test_padding_is_masked_out_of_the_loss():
   import jax
 
-  from MaxText import train
+  from MaxText import step as step_lib
   from MaxText.layers import models
 
   cfg = config("max_target_length=8", "vocab_size=256", "override_model_config=true")
@@ -76,10 +76,10 @@ def test_padding_is_masked_out_of_the_loss():
   assert (batch["targets_segmentation"] == 0).any(), "the test needs a padded row"
   model = models.Transformer(cfg)
   params = model.init({"params": jax.random.key(0)}, *models.init_inputs(1, 8))["params"]
-  loss, aux = train.loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+  loss, aux = step_lib.loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
   tokens = aux["tokens"]
   garbage = dict(batch, targets=np.where(batch["targets_segmentation"] == 0, 255, batch["targets"]))
-  loss_garbage, _ = train.loss_fn(model, params, garbage, jax.random.key(0), deterministic=True)
+  loss_garbage, _ = step_lib.loss_fn(model, params, garbage, jax.random.key(0), deterministic=True)
   assert int(tokens) == int((batch["targets_segmentation"] != 0).sum())
   np.testing.assert_array_equal(loss, loss_garbage)
 

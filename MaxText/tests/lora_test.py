@@ -9,8 +9,9 @@ import pytest
 from flax import linen as nn
 from flax import traverse_util
 
-from MaxText import lora, optimizers, train
+from MaxText import lora, optimizers
 from MaxText import state as state_lib
+from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
 from MaxText.tests.helpers import config, train_batch
@@ -86,7 +87,7 @@ def test_merged_weights_equal_the_adapters(extra):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "adafactor"])
 def test_only_the_adapters_train_and_the_optimizer_holds_only_them(optimizer):
   cfg = config(*LORA, "learning_rate=1e-2", "steps=4", f"opt_type={optimizer}")
-  mesh, model, schedule, tx, layout = train.build(cfg, jax.devices()[:1])
+  mesh, model, schedule, tx, layout = step_lib.build(cfg, jax.devices()[:1])
   state = state_lib.init_state(model, cfg, tx, layout)
   adapters, base = lora.partition(state.params)
   n_adapters = len(jax.tree.leaves(adapters))
@@ -95,12 +96,12 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(optimizer):
     moments = sorted(x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim)
     assert moments == sorted(2 * [x.shape for x in jax.tree.leaves(adapters)])
   full_cfg = config("learning_rate=1e-2", "steps=4", f"opt_type={optimizer}")
-  _, _, _, full_tx, full_layout = train.build(full_cfg, jax.devices()[:1])
+  _, _, _, full_tx, full_layout = step_lib.build(full_cfg, jax.devices()[:1])
   lora_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout.abstract.opt_state))
   full_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(full_layout.abstract.opt_state))
   assert lora_bytes < full_bytes / 3
 
-  step = jax.jit(lambda s, b: train.train_step(model, cfg, tx, schedule, s, b))
+  step = jax.jit(lambda s, b: step_lib.train_step(model, cfg, tx, schedule, s, b))
   losses = []
   for i in range(4):
     state, metrics = step(state, train_batch(cfg, rows=2, seed=i))
@@ -117,18 +118,18 @@ def test_lora_training_equals_training_the_merged_low_rank_update():
   cfg = config(
     *LORA, "opt_type=sgd", "learning_rate=0.5", "warmup_steps_fraction=0", "gradient_clipping_threshold=0", "steps=1"
   )
-  mesh, model, schedule, tx, layout = train.build(cfg, jax.devices()[:1])
+  mesh, model, schedule, tx, layout = step_lib.build(cfg, jax.devices()[:1])
   state = state_lib.init_state(model, cfg, tx, layout)
   state = state.replace(params=_random_adapters(jax.device_get(state.params)))
   batch = train_batch(cfg, rows=2)
-  new_state, _ = jax.jit(lambda s, b: train.train_step(model, cfg, tx, schedule, s, b))(state, batch)
+  new_state, _ = jax.jit(lambda s, b: step_lib.train_step(model, cfg, tx, schedule, s, b))(state, batch)
   plain_cfg = config("opt_type=sgd")
   plain = models.Transformer(plain_cfg)
   adapters, base = lora.partition(state.params)
 
   def merged_loss(adapters):
     params = lora.merge(lora.combine(adapters, base), cfg)
-    loss, aux = train.loss_fn(plain, params, batch, jax.random.key(0), deterministic=True)
+    loss, aux = step_lib.loss_fn(plain, params, batch, jax.random.key(0), deterministic=True)
     return loss / aux["tokens"]
 
   grads = jax.grad(merged_loss)(adapters)
@@ -171,7 +172,7 @@ def test_dpo_under_lora_refuses_to_start_from_trained_adapters(tmp_path):
   from MaxText import checkpointing
 
   cfg = config(*LORA, "use_dpo=true", "dataset_type=hf", f"hf_lora_adapter_path={tmp_path}")
-  _, _, _, _, layout = train.build(cfg, jax.devices()[:1])
+  _, _, _, _, layout = step_lib.build(cfg, jax.devices()[:1])
   with pytest.raises(ConfigError, match="use_dpo=true under LoRA compares with the base model"):
     checkpointing.check_start_paths(cfg, layout)
 
@@ -179,7 +180,7 @@ def test_dpo_under_lora_refuses_to_start_from_trained_adapters(tmp_path):
 def test_target_modules_that_name_no_projection_are_refused():
   cfg = config("model_name=deepseek3-tiny", "lora_rank=2", "lora_target_modules=['query','out']")
   with pytest.raises(ConfigError, match="names no projection of decoder_block=deepseek"):
-    train.build(cfg, jax.devices()[:1])
+    step_lib.build(cfg, jax.devices()[:1])
 
 
 @pytest.mark.parametrize("family, scan", [("llama", "true"), ("qwen3", "false")])
@@ -234,7 +235,7 @@ def test_peft_adapter_round_trip_through_transformers(family, scan, tmp_path):
   # A run started from the base with hf_lora_adapter_path holds the adapters bit for bit, placed as its layout says.
   base_items = checkpointing.save_params(str(tmp_path / "base_ckpt/checkpoints"), jax.device_get(base))
   start_cfg = cfg.replace(load_parameters_path=base_items, hf_lora_adapter_path=str(tmp_path / "adapter"))
-  _, model, _, tx, layout = train.build(start_cfg, jax.devices()[:1])
+  _, model, _, tx, layout = step_lib.build(start_cfg, jax.devices()[:1])
   start = checkpointing.restore_or_init(start_cfg, None, model, tx, layout)
   assert "adapters from" in start.source
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(start.state.params), jax.device_get(params))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from MaxText import cli, train
+from MaxText import cli
+from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import embeddings, models
 from MaxText.tests.helpers import config
@@ -120,7 +121,7 @@ def assert_grads_close(actual, expected, name=""):
 
 def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
-  fn = jax.jit(jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
   return fn(params)
 
 
@@ -169,7 +170,7 @@ def test_cpu_compiler_options_keep_loss_and_grads():
   cfg = config("max_target_length=32")
   _, params = _init(cfg)
   model, batch = models.Transformer(cfg), _batch(cfg)
-  fn = jax.jit(jax.value_and_grad(lambda p: train.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
   tuned = fn.lower(params).compile({"xla_cpu_experimental_ynn_fusion_type": cli.CPU_YNN_FUSIONS})
   (loss, grads), (ref_loss, ref_grads) = tuned(params), fn(params)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -257,6 +258,66 @@ def test_dropout_is_active_only_in_training():
 
   np.testing.assert_array_equal(run(True, 0), run(True, 1))
   assert not np.allclose(run(False, 0), run(False, 1))
+
+
+def _dropout_inputs_and_outputs(cfg, batch_size: int, deterministic: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(input, output) of every dropout call in a forward pass of the scanned, rematerialised decoder (each
+  [layers, batch, length, embed]), recorded by a method interceptor that sows them where the call happens."""
+
+  def record(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if isinstance(context.module, nn.Dropout) and context.method_name == "__call__":
+      context.module.sow("intermediates", "input_output", (args[0], out))
+    return out
+
+  model, params = _init(cfg, batch=batch_size)
+  batch = _batch(cfg, batch=batch_size)
+  with nn.intercept_methods(record):
+    _, sown = model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["inputs_segmentation"],
+      batch["inputs_position"],
+      deterministic=deterministic,
+      rngs={"dropout": jax.random.key(7)},
+      mutable=["intermediates"],
+    )
+  calls = []  # sow keeps a tuple of the calls of each module: here of (input, output) pairs
+
+  def collect(tree):
+    for key, value in tree.items():
+      if key == "input_output":
+        calls.extend((np.asarray(x, np.float64), np.asarray(y, np.float64)) for x, y in value)
+      elif isinstance(value, dict):
+        collect(value)
+
+  collect(sown["intermediates"])
+  return calls
+
+
+def test_dropout_zeroes_its_rate_of_activations_and_scales_the_rest_by_one_over_keep():
+  """dropout_rate p = 0.3 on the attention and MLP outputs (Srivastava et al. 2014, inverted dropout): the share of
+  zeroed activations is p within 5 binomial standard deviations, sqrt(p (1 - p) / n), over the n independent draws
+  (one per batch row and embedding feature per call: the mask is shared along the sequence, broadcast_dims); every
+  kept activation is its input / (1 - p), to float32 rounding (rtol 1e-6, 15 times its 6e-8); deterministic calls
+  pass their input unchanged. A rate of 1 - p, or a scaling by 1 / p or none, is far outside both bounds."""
+  p = 0.3
+  cfg = config(f"dropout_rate={p}", "max_target_length=8")
+  calls = _dropout_inputs_and_outputs(cfg, batch_size=16, deterministic=False)
+  assert len(calls) == 2  # the attention's and the MLP's, each stacked over the scanned layers
+  draws = zeroed = 0
+  for x, y in calls:
+    assert x.shape == (cfg.num_decoder_layers, 16, 8, cfg.emb_dim) and np.all(x != 0)
+    kept = y != 0
+    np.testing.assert_array_equal(kept, np.broadcast_to(kept[:, :, :1, :], kept.shape))  # one mask per row
+    np.testing.assert_allclose(y[kept], x[kept] / (1 - p), rtol=1e-6)
+    draws, zeroed = draws + kept[:, :, 0, :].size, zeroed + int(np.sum(~kept[:, :, 0, :]))
+  assert draws == 2 * cfg.num_decoder_layers * 16 * cfg.emb_dim
+  bound = 5 * np.sqrt(p * (1 - p) / draws)  # 0.051 for the 2048 draws of the tiny model
+  assert abs(zeroed / draws - p) <= bound, (zeroed / draws, p, bound)
+
+  for x, y in _dropout_inputs_and_outputs(cfg, batch_size=16, deterministic=True):
+    np.testing.assert_array_equal(y, x)
 
 
 @pytest.mark.parametrize("fused", [("fused_qkv=true",), ("fused_mlp=true",), ("fused_qkv=true", "fused_mlp=true")])

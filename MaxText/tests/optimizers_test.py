@@ -1,4 +1,6 @@
-"""The optimizer: the learning-rate schedule and AdamW's update, against plain-Python / float64 numpy references."""
+"""The optimizers and the learning-rate schedules against plain-Python / float64 numpy references: AdamW, Pax's Adam,
+SGD, Adafactor (Shazeer & Stern 2018) and Muon (Jordan et al. 2024) written out from their published update rules,
+not from the optax calls that optimizers.py makes."""
 
 import math
 
@@ -70,19 +72,25 @@ def test_learning_rate_schedule_matches_plain_python(case):
     assert got[-1] == pytest.approx(final * peak)  # The last step runs at the final learning rate.
 
 
-def _reference_adamw(params, grads_per_step, lrs, *, b1, b2, eps, eps_root, weight_decay, clip):
+def _clip_global_norm(grads: dict, clip: float) -> dict:
+  """MaxText's clipping before every optimizer (gradient_clipping_threshold): the whole tree scaled to norm `clip`
+  when its global L2 norm is above it (clip 0: no clipping)."""
+  grads = {k: np.asarray(v, np.float64) for k, v in grads.items()}
+  norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads.values()))
+  return {k: g * (clip / norm) for k, g in grads.items()} if 0 < clip < norm else grads
+
+
+def _reference_adamw(params, grads_per_step, lrs, adam: dict, *, clip):
   """AdamW (Loshchilov & Hutter 2019) in float64 numpy: global-norm clipping (when clip > 0), Adam moments
   with bias correction (Kingma & Ba 2015, eps_root inside the root, eps outside), then decoupled weight
-  decay, the sum scaled by the step's learning rate. Returns (params, mu, nu) after every step."""
+  decay, the sum scaled by the step's learning rate; `adam` holds b1, b2, eps, eps_root and weight_decay (as ADAM).
+  Returns (params, mu, nu) after every step."""
+  b1, b2, eps, eps_root, weight_decay = (adam[k] for k in ("b1", "b2", "eps", "eps_root", "weight_decay"))
   params = {k: np.asarray(v, np.float64) for k, v in params.items()}
   mu = {k: np.zeros_like(v) for k, v in params.items()}
   nu = {k: np.zeros_like(v) for k, v in params.items()}
   for t, (step_grads, lr) in enumerate(zip(grads_per_step, lrs, strict=True), start=1):
-    grads = {k: np.asarray(v, np.float64) for k, v in step_grads.items()}
-    if clip > 0:
-      norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads.values()))
-      if norm > clip:
-        grads = {k: g * (clip / norm) for k, g in grads.items()}
+    grads = _clip_global_norm(step_grads, clip)
     for k in params:
       mu[k] = b1 * mu[k] + (1 - b1) * grads[k]
       nu[k] = b2 * nu[k] + (1 - b2) * grads[k] ** 2
@@ -111,14 +119,20 @@ def _adam_config(clip: float):
   )
 
 
-def _grads(rng):
-  """One gradient per step, with the global norms of GRAD_NORMS."""
+def _scaled_grads(shapes: dict, rng) -> list[dict]:
+  """One gradient tree per step with the global norms of GRAD_NORMS (above and below the clipping threshold of 1,
+  and all zero), float32 as a step's gradients are."""
   out = []
   for norm in GRAD_NORMS:
-    g = {"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4)}
+    g = {k: rng.standard_normal(shape) for k, shape in shapes.items()}
     total = math.sqrt(sum(float(np.sum(v**2)) for v in g.values()))
     out.append({k: (v * norm / total).astype(np.float32) for k, v in g.items()})
   return out
+
+
+def _grads(rng):
+  """One gradient per step of a 3 x 4 matrix `w` and a vector `b`, with the global norms of GRAD_NORMS."""
+  return _scaled_grads({"w": (3, 4), "b": (4,)}, rng)
 
 
 def _run_optimizer(cfg, params, grads_per_step):
@@ -151,7 +165,7 @@ def test_adamw_matches_float64_reference(clip):
   assert lrs[0] == 0.0 and cfg.warmup_steps == 2
 
   got_params, got_state = _run_optimizer(cfg, params, grads_per_step)
-  want_params, want_mu, want_nu = _reference_adamw(params, grads_per_step, lrs, **ADAM, clip=clip)
+  want_params, want_mu, want_nu = _reference_adamw(params, grads_per_step, lrs, ADAM, clip=clip)
   for k in params:
     np.testing.assert_allclose(np.asarray(got_params[k], np.float64), want_params[k], rtol=0, atol=1e-6, err_msg=k)
 
@@ -163,7 +177,7 @@ def test_adamw_matches_float64_reference(clip):
   assert int(adam_state.count) == len(GRAD_NORMS)
 
   # The test can tell clipping from none: the other setting's reference is far outside the tolerance.
-  other, _, _ = _reference_adamw(params, grads_per_step, lrs, **ADAM, clip=1.0 - clip)
+  other, _, _ = _reference_adamw(params, grads_per_step, lrs, ADAM, clip=1.0 - clip)
   assert max(float(np.max(np.abs(other[k] - want_params[k]))) for k in params) > 1e-3
 
 
@@ -243,7 +257,7 @@ def test_adam_pax_matches_the_float64_reference_and_keeps_bias_corrected_moments
   grads_per_step = _grads(rng)
   lrs = [_reference_lr(t, peak=0.1, warmup=2, schedule_steps=6, final=0.1, steps=6) for t in range(6)]
   got_params, got_state = _run_optimizer(cfg, params, grads_per_step)
-  want_params, want_mu, want_nu = _reference_adamw(params, grads_per_step, lrs, **ADAM, clip=1.0)
+  want_params, want_mu, want_nu = _reference_adamw(params, grads_per_step, lrs, ADAM, clip=1.0)
   t = len(GRAD_NORMS)
   is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
   (adam_state,) = [s for s in jax.tree_util.tree_leaves(got_state, is_leaf=is_adam) if is_adam(s)]
@@ -274,19 +288,85 @@ def test_sgd_subtracts_the_learning_rate_times_the_clipped_gradient():
     np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=0, atol=1e-6, err_msg=k)
 
 
-def test_adafactor_is_optax_adafactor_on_the_schedule_after_clipping():
-  cfg = config("opt_type=adafactor", "steps=6", "warmup_steps_fraction=0.34", "learning_rate=0.1")
+# Adafactor's constants (Shazeer & Stern 2018, arXiv:1804.04235) as optax.adafactor's defaults set them, which is
+# what opt_type=adafactor uses: eps1 inside the second moment, eps2 the least parameter scale, d the update
+# clipping threshold, the decay exponent c of beta2_t = 1 - t^-c, and the least size of both factored axes.
+ADAFACTOR = dict(eps1=1e-30, eps2=1e-3, d=1.0, decay_exponent=0.8, min_dim_to_factor=128)
+
+
+def _reference_adafactor(params, grads_per_step, lrs, *, clip, factored=True):
+  """Adafactor (Shazeer & Stern 2018, arXiv:1804.04235, Algorithms 4 and 5) in float64 numpy, as opt_type=adafactor
+  configures it (optax.adafactor with its defaults), after MaxText's global-norm clipping at `clip`:
+
+  - second moments decayed by beta2_t = 1 - t^-0.8 (sec. 7.2; t counts from 1, so the first step keeps G^2 alone),
+    of G^2 + eps1 (eps1 = 1e-30);
+  - factored for a parameter whose two largest axes both have at least 128 entries (optax's rule, as Mesh
+    TensorFlow's): row sums R and column sums C over those two axes (the others are a batch of matrices), and
+    V = R C^T / (1^T R) (Algorithm 4); any other parameter keeps the full V (Algorithm 5);
+  - U = G / sqrt(V), clipped to U / max(1, RMS(U) / d) with d = 1 (sec. 6), RMS over the whole parameter;
+  - step size alpha_t = max(eps2, RMS(X_{t-1})) * rho_t (sec. 8, relative step size, eps2 = 1e-3), where rho_t is
+    the learning-rate schedule (`lrs`) instead of the paper's min(1e-2, 1/sqrt(t));
+  - no first moment (beta1 = 0, sec. 6) and no weight decay.
+
+  factored=False keeps the full V for every parameter (for the test to show that it can tell). Returns the
+  parameters after the last step and the number of (step, parameter) updates that the clipping shrank."""
+  params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  moments = {}  # name -> (R, C) of a factored parameter, or its full V
+  clipped = 0
+  for t, (step_grads, lr) in enumerate(zip(grads_per_step, lrs, strict=True), start=1):
+    beta2 = 1.0 - t ** -ADAFACTOR["decay_exponent"]
+    grads = _clip_global_norm(step_grads, clip)
+    for k, x in params.items():
+      g2 = grads[k] ** 2 + ADAFACTOR["eps1"]
+      largest = sorted(np.argsort(x.shape, kind="stable")[-2:]) if x.ndim >= 2 else []
+      if factored and largest and min(x.shape[i] for i in largest) >= ADAFACTOR["min_dim_to_factor"]:
+        g2_m = np.moveaxis(g2, largest, (-2, -1))  # [..., n, m]: a batch of n x m matrices
+        r, c = moments.get(k, (0.0, 0.0))
+        r = beta2 * r + (1 - beta2) * g2_m.sum(axis=-1)  # R_t: row sums, [..., n]
+        c = beta2 * c + (1 - beta2) * g2_m.sum(axis=-2)  # C_t: column sums, [..., m]
+        moments[k] = (r, c)
+        v = np.moveaxis(r[..., :, None] * c[..., None, :] / r.sum(axis=-1)[..., None, None], (-2, -1), largest)
+      else:
+        v = beta2 * moments.get(k, 0.0) + (1 - beta2) * g2
+        moments[k] = v
+      u = grads[k] / np.sqrt(v)
+      scale = max(1.0, math.sqrt(float(np.mean(u**2))) / ADAFACTOR["d"])
+      clipped += scale > 1.0 and lr > 0
+      alpha = max(ADAFACTOR["eps2"], math.sqrt(float(np.mean(x**2)))) * lr
+      params[k] = x - alpha * u / scale
+  return params, clipped
+
+
+def test_adafactor_matches_the_published_update_rule_in_float64():
+  """Six jitted float32 steps of opt_type=adafactor against _reference_adafactor, on a tree that holds a factored
+  matrix (128 x 160), a factored stack of matrices whose two large axes are the first and the last (136 x 2 x 130,
+  as a scanned kernel [embed, layers, mlp]), a matrix too small to factor (3 x 4, full second moment) and a
+  vector that starts at 0 (as biases do: its step size is eps2 * rho_t), over a warmup (the first update at
+  learning rate 0), clipped and unclipped gradients and a zero one.
+
+  Tolerance: each step rounds ~30 float32 operations per entry at ~6e-8 relative (the factored sums over 128-160
+  entries add about as much); the parameters are O(1) and move by up to 0.4 in 6 steps, and the largest error
+  seen is 6e-7, so 2e-6 absolute. Changing any one constant of the rule (the decay exponent to 0.5 or 1, d to 2,
+  eps2 to 1e-2) moves some parameter by 2e-6 or more, and leaving out the factoring moves the matrices by more than
+  1e-4 (checked below)."""
+  cfg = config("opt_type=adafactor", "steps=6", "warmup_steps_fraction=0.34", "learning_rate=0.1",
+               "learning_rate_final_fraction=0.1", "gradient_clipping_threshold=1.0")  # fmt: skip
   rng = np.random.default_rng(0)
-  params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
-  grads_per_step = _grads(rng)
+  shapes = {"w": (128, 160), "stack": (136, 2, 130), "small": (3, 4), "b": (4,)}
+  params = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
+  params["b"] = np.zeros(4, np.float32)
+  grads_per_step = _scaled_grads(shapes, rng)
+  lrs = [_reference_lr(t, peak=0.1, warmup=2, schedule_steps=6, final=0.1, steps=6) for t in range(6)]
+  assert lrs[0] == 0.0 and cfg.warmup_steps == 2
+
   got, _ = _run_optimizer(cfg, params, grads_per_step)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adafactor(optimizers.learning_rate_schedule(cfg)))
-  state, want = tx.init(params), params
-  for grads in grads_per_step:
-    updates, state = tx.update(grads, state, want)
-    want = optax.apply_updates(want, updates)
+  want, clipped = _reference_adafactor(params, grads_per_step, lrs, clip=1.0)
   for k in params:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=0, atol=2e-6, err_msg=k)
+  assert clipped > 0  # the update clipping (d = 1) acted on some step with a learning rate above 0
+  # The test can tell a factored second moment from a full one: without factoring, the matrices end elsewhere.
+  full, _ = _reference_adafactor(params, grads_per_step, lrs, clip=1.0, factored=False)
+  assert float(np.max(np.abs(full["w"] - want["w"]))) > 1e-4 and np.array_equal(full["small"], want["small"])
 
 
 def test_muon_orthogonalises_the_matrices_and_leaves_the_rest_to_adamw():
@@ -349,6 +429,7 @@ def test_every_optimizer_and_schedule_trains_and_resumes_exactly(keys, tmp_path)
 def test_sharded_training_equals_one_device(opt_type):
   """fsdp 2 x tensor 2 on 4 devices trains 3 steps to the losses of one device; the optimizer's per-parameter
   state is sharded as its parameter (Adafactor's factored moments, of other shapes, replicated)."""
+  from MaxText import step as step_lib
   from MaxText import train
 
   common = (f"opt_type={opt_type}", "steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "max_target_length=32")
@@ -358,7 +439,7 @@ def test_sharded_training_equals_one_device(opt_type):
   got = [loss for _, loss in train.train(four, jax.devices()[:4]).losses]
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
-  _, _, _, _, layout = train.build(four, jax.devices()[:4])
+  _, _, _, _, layout = step_lib.build(four, jax.devices()[:4])
   params = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(layout.shardings.params)}
   shapes = {jax.tree_util.keystr(p): a.shape for p, a in jax.tree_util.tree_leaves_with_path(layout.abstract.params)}
   matched = 0
@@ -401,31 +482,111 @@ def test_muon_leaves_biases_and_the_routing_bias_to_adamw_without_decaying_the_b
   np.testing.assert_allclose(new["decoder_norm"]["scale"], norm * (1 - 0.1 * 0.5), rtol=1e-6)  # AdamW's decay
 
 
-def test_muon_is_optax_muon_with_our_dimension_numbers():
-  """Three steps of opt_type=muon on a small tree equal optax.contrib.muon given the same keys and dimension
-  numbers (a [3, 8, 5] stacked kernel orthogonalised per layer, a vector to AdamW), after clipping."""
+# Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024), 5 iterations.
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+
+
+def _newton_schulz(m, eps: float):
+  """Jordan et al. 2024's orthogonalisation of one matrix: X = M / (||M||_F + eps), then 5 times
+  X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = NEWTON_SCHULZ, on the wide orientation (a tall matrix is
+  transposed first and back after), which maps each singular value of M to roughly 0.7-1.2 and keeps its vectors."""
+  x = m / (np.linalg.norm(m) + eps)
+  tall = x.shape[0] > x.shape[1]
+  if tall:
+    x = x.T
+  a, b, c = NEWTON_SCHULZ
+  for _ in range(5):
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if tall else x
+
+
+def _orthogonalised(m, reduction: tuple, output: tuple, eps: float):
+  """_newton_schulz on each fan_in x fan_out matrix of `m`: the reduction axes (the input) flattened into rows,
+  the output axes into columns, every other axis (stacked layers, experts) a batch of separate matrices."""
+  batch = tuple(i for i in range(m.ndim) if i not in reduction + output)
+  order = batch + reduction + output
+  fan_in, fan_out = math.prod(m.shape[i] for i in reduction), math.prod(m.shape[i] for i in output)
+  stacked = np.transpose(m, order).reshape(-1, fan_in, fan_out)
+  done = np.stack([_newton_schulz(x, eps) for x in stacked]).reshape([m.shape[i] for i in order])
+  return np.transpose(done, np.argsort(order))
+
+
+def _reference_muon(params, grads_per_step, lrs, dims, *, cfg, clip):
+  """Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks",
+  kellerjordan.github.io/posts/muon) in float64 numpy, as opt_type=muon configures it, after global-norm clipping:
+
+  - for a matrix (dims[k] = (reduction axes, output axes)): momentum mu_t = beta mu_{t-1} + (1 - beta) g_t
+    (beta = muon_beta) used the Nesterov way, m = beta mu_t + (1 - beta) g_t, with each term bias-corrected as
+    Adam's (NAdam, Dozat 2016): mu_t / (1 - beta^(t+1)) and g_t / (1 - beta^t); m orthogonalised by the quintic
+    Newton-Schulz iteration (_orthogonalised), then scaled by sqrt(max(fan_in, fan_out)) * muon_consistent_rms
+    (Liu et al. 2025, arXiv:2502.16982) or, when that is 0, by sqrt(max(1, fan_out / fan_in)) (Jordan's width
+    scaling); decoupled weight decay muon_weight_decay * X; the sum times the learning rate;
+  - every other parameter (dims[k] None): AdamW (Loshchilov & Hutter 2019) with the adam_* keys, its first moment
+    also used the Nesterov way (NAdam), eps adam_eps outside the root and adam_eps_root inside.
+
+  Returns the parameters after the last step."""
+  beta, b1, b2 = cfg.muon_beta, cfg.adam_b1, cfg.adam_b2
+  params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  mu = {k: np.zeros_like(v) for k, v in params.items()}
+  nu = {k: np.zeros_like(v) for k, v in params.items()}
+  for t, (step_grads, lr) in enumerate(zip(grads_per_step, lrs, strict=True), start=1):
+    grads = _clip_global_norm(step_grads, clip)
+    for k, x in params.items():
+      g = grads[k]
+      if dims[k] is None:
+        mu[k] = b1 * mu[k] + (1 - b1) * g
+        nu[k] = b2 * nu[k] + (1 - b2) * g**2
+        m = b1 * mu[k] / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
+        direction = m / (np.sqrt(nu[k] / (1 - b2**t) + cfg.adam_eps_root) + cfg.adam_eps)
+        params[k] = x - lr * (direction + cfg.adam_weight_decay * x)
+        continue
+      reduction, output = dims[k]
+      mu[k] = beta * mu[k] + (1 - beta) * g
+      m = beta * mu[k] / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta**t)
+      fan_in, fan_out = math.prod(x.shape[i] for i in reduction), math.prod(x.shape[i] for i in output)
+      if cfg.muon_consistent_rms > 0:
+        scale = math.sqrt(max(fan_in, fan_out)) * cfg.muon_consistent_rms
+      else:
+        scale = math.sqrt(max(1.0, fan_out / fan_in))
+      direction = scale * _orthogonalised(m, reduction, output, cfg.adam_eps)
+      params[k] = x - lr * (direction + cfg.muon_weight_decay * x)
+  return params
+
+
+@pytest.mark.parametrize("consistent_rms", [0.2, 0.0])
+def test_muon_matches_the_published_update_rule_in_float64(consistent_rms, monkeypatch):
+  """Four jitted float32 steps of opt_type=muon against _reference_muon, on the dimension numbers of a stacked
+  kernel [layers, embed, mlp] (tall: 8 x 5 per layer, orthogonalised transposed), a query kernel [embed, heads,
+  head_dim] (6 x 10, wide), an attention output [heads, head_dim, embed] (12 x 6) and a vector (AdamW's), with
+  the consistent-RMS scale (0.2) and the width scale (0), gradients clipped or not.
+
+  Tolerance: the Newton-Schulz iteration multiplies small singular values by up to a = 3.4 per iteration, so the
+  float32 path carries about 1e-6 relative error on each orthogonalised entry (6e-7 seen on one step); the
+  parameters are O(1), move by 0.05-0.1 in 4 steps, and the largest error seen is 2.4e-7: 1e-6 absolute. The other
+  scale rule, or other Newton-Schulz coefficients ((3, -3.2, 1.2)), move the matrices by 8e-3 or more."""
   from optax.contrib import MuonDimensionNumbers as Dims
 
   cfg = config("opt_type=muon", "learning_rate=0.05", "warmup_steps_fraction=0", "muon_weight_decay=0.1",
-               "muon_consistent_rms=0.2", "steps=3")  # fmt: skip
-  dims = {"w": Dims(reduction_axis=(1,), output_axis=(2,)), "b": None}
+               f"muon_consistent_rms={consistent_rms}", "steps=4", "gradient_clipping_threshold=1.0",
+               "learning_rate_final_fraction=0.1")  # fmt: skip
+  dims = {"stack": ((1,), (2,)), "query": ((0,), (1, 2)), "out": ((0, 1), (2,)), "b": None}
+  shapes = {"stack": (3, 8, 5), "query": (6, 2, 5), "out": (4, 3, 6), "b": (5,)}
+  optax_dims = {k: None if d is None else Dims(reduction_axis=d[0], output_axis=d[1]) for k, d in dims.items()}
+  monkeypatch.setattr(optimizers, "muon_dimensions", lambda config: optax_dims)  # the model's, for this small tree
   rng = np.random.default_rng(0)
-  params = {"w": rng.standard_normal((3, 8, 5)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
-  grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()} for _ in range(3)]
-  ours = optax.chain(
-    optax.clip_by_global_norm(1.0), optimizers._muon_with(cfg, optimizers.learning_rate_schedule(cfg), dims)
-  )
-  theirs = optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(
-    optimizers.learning_rate_schedule(cfg), beta=0.95, eps=cfg.adam_eps, weight_decay=0.1, adam_b1=cfg.adam_b1,
-    adam_b2=cfg.adam_b2, adam_weight_decay=cfg.adam_weight_decay, muon_weight_dimension_numbers=dims,
-    consistent_rms=0.2))  # fmt: skip
-  results = []
-  for tx in (ours, theirs):
-    p, state = params, tx.init(params)
-    for g in grads:
-      updates, state = tx.update(g, state, p)
-      p = optax.apply_updates(p, updates)
-    results.append(p)
+  params = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
+  grads_per_step = [
+    {k: (norm * rng.standard_normal(shape)).astype(np.float32) for k, shape in shapes.items()}
+    for norm in (1.0, 0.01, 0.3, 2.0)
+  ]  # global norms about 11, 0.1, 3.4 and 22: clipped but for the second
+  lrs = [_reference_lr(t, peak=0.05, warmup=0, schedule_steps=4, final=0.1, steps=4) for t in range(4)]  # cosine
+
+  got, _ = _run_optimizer(cfg, params, grads_per_step)
+  want = _reference_muon(params, grads_per_step, lrs, dims, cfg=cfg, clip=1.0)
   for k in params:
-    np.testing.assert_allclose(results[0][k], results[1][k], rtol=1e-6, atol=1e-7, err_msg=k)
-  assert not np.allclose(results[0]["w"], params["w"])
+    np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=0, atol=1e-6, err_msg=k)
+  # The orthogonalised update has the singular values Newton-Schulz gives (~0.7-1.2), not the momentum's.
+  step = _orthogonalised(np.asarray(grads_per_step[0]["query"], np.float64), (0,), (1, 2), 1e-8).reshape(6, 10)
+  singular = np.linalg.svd(step, compute_uv=False)
+  assert np.all((singular > 0.6) & (singular < 1.25)), singular

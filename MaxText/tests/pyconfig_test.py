@@ -1,7 +1,11 @@
 """Config parsing: precedence, types, presets, derived values, and one-line errors for bad input."""
 
 import os
+import pickle
 import re
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -10,7 +14,7 @@ import yaml
 
 from MaxText import pyconfig, train
 from MaxText.common_types import ConfigError
-from MaxText.tests.helpers import BASE_YML, config, deadline
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, deadline
 
 
 def test_overrides_are_typed_and_frozen():
@@ -182,7 +186,7 @@ def test_every_fixed_choice_is_listed_in_its_base_yml_comment():
     comments = dict(line.split(":", 1) for line in f if "#" in line and not line.startswith((" ", "#")))
   for key, valid in pyconfig.choices().items():
     if key == "decoder_block":
-      assert "MaxText/families.py" in comments[key]
+      assert "MaxText/families/" in comments[key]
       continue
     comment = comments[key].split("#", 1)[1]
     # A whole word: "float16" is not found inside "bfloat16", nor "high" inside "highest".
@@ -335,3 +339,124 @@ def test_path_names_longer_than_255_bytes_are_refused(tmp_path):
       pyconfig.parse([BASE_YML, f"{key}={value}"], env={})
   values = pyconfig.parse([BASE_YML, f"run_name={'a' * 255}", f"base_output_directory={tmp_path}/{'é' * 127}"], env={})
   assert values["run_name"] == "a" * 255
+
+
+# A config of 8 devices whose steps come from the schedule (steps=-1): derived values that depend on other keys.
+REPLACED_FROM = ("steps=-1", "learning_rate_schedule_steps=40", "warmup_steps_fraction=0.25", "per_device_batch_size=1")
+
+
+@pytest.mark.parametrize(
+  "changes",
+  [
+    {"learning_rate_schedule_steps": 100},  # steps=-1 takes it again; so does the warmup
+    {"per_device_batch_size": 2, "gradient_accumulation_steps": 3},  # the global batch
+    {"base_emb_dim": 64, "global_parameter_scale": 8},  # the model's dimensions
+    {"ici_tensor_parallelism": 2},  # the mesh
+    {"scan_layers": False},  # a key nothing derives from
+  ],
+)
+def test_replace_equals_the_config_loaded_with_the_change(changes):
+  """pyconfig.replace derives again from the values as given (steps=-1 included), so its Config equals the one the
+  command line would have made; Config.replace, which derives nothing, does not (the reference)."""
+  cfg = config(*REPLACED_FROM, override_model_config="true", num_devices=8)
+  given = [f"{key}={value}" for key, value in changes.items()]
+  replaced = pyconfig.replace(cfg, **changes)
+  assert replaced == config(*REPLACED_FROM, *given, override_model_config="true", num_devices=8)
+  if changes != {"scan_layers": False}:
+    assert cfg.replace(**changes) != replaced  # a derived key followed the change
+
+
+def test_replace_derives_what_depends_on_the_replaced_key():
+  cfg = config(*REPLACED_FROM, num_devices=8)
+  assert (cfg.steps, cfg.warmup_steps, cfg.global_batch_size) == (40, 10, 8)
+  replaced = pyconfig.replace(cfg, learning_rate_schedule_steps=100, per_device_batch_size=2)
+  assert (replaced.steps, replaced.learning_rate_schedule_steps, replaced.warmup_steps) == (100, 100, 25)
+  assert (replaced.micro_batch_size, replaced.global_batch_size) == (16, 16)
+  assert isinstance(replaced.per_device_batch_size, float)  # coerced to base.yml's type, as on the command line
+  again = pyconfig.replace(pickle.loads(pickle.dumps(replaced)), learning_rate_schedule_steps=60)
+  assert (again.steps, again.global_batch_size) == (60, 16)  # a pickled Config keeps the values it came from
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    ({"ici_tensor_parallelism": 3}, "ici_tensor_parallelism=3 does not divide the 8 devices"),
+    ({"base_num_kv_heads": 3}, "base_num_query_heads=4 is not a multiple of base_num_kv_heads=3"),
+    ({"lora_rank": -1}, "lora_rank=-1 is negative"),
+    ({"steps": "ten"}, "steps='ten' is not an integer"),
+    ({"per_device_batch_size": 0.1}, "per_device_batch_size=0.1 x 8 devices"),
+    ({"hf_lora_export": "base"}, "hf_lora_export=base exports a LoRA checkpoint's adapters"),
+  ],
+)
+def test_replace_refuses_a_change_that_makes_the_config_invalid(changes, message):
+  cfg = config(*REPLACED_FROM, num_devices=8)
+  assert cfg.replace(**changes)  # Config.replace checks nothing: the refusal below is pyconfig.replace's
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    pyconfig.replace(cfg, **changes)
+
+
+def test_replace_takes_only_base_yml_keys_of_a_loaded_config():
+  cfg = config(num_devices=8)
+  with pytest.raises(KeyError, match="emb_dim"):
+    pyconfig.replace(cfg, emb_dim=8)  # derived: replace base_emb_dim
+  with pytest.raises(TypeError, match="made by Config"):
+    pyconfig.replace(cfg.replace(steps=3), steps=4)  # Config.replace's copy no longer knows its raw values
+
+
+def test_replace_as_the_export_scripts_use_it():
+  """convert_to_hf_checkpoint.py and generate_param_only_checkpoint.py describe the model without its adapters
+  (lora_rank=0, whose hf_lora_export and hf_lora_adapter_path go back to their defaults) and, unrolled, with
+  scan_layers=false; both are valid configs of their own."""
+  cfg = config("lora_rank=4", "hf_lora_export=base", num_devices=8)
+  with pytest.raises(ConfigError, match="hf_lora_export=base exports a LoRA checkpoint's adapters"):
+    pyconfig.replace(cfg, lora_rank=0)
+  merged = pyconfig.replace(cfg, lora_rank=0, hf_lora_export="merged", hf_lora_adapter_path="")
+  assert merged == config(num_devices=8)
+  assert pyconfig.replace(merged, scan_layers=False) == config("scan_layers=false", num_devices=8)
+
+
+def test_reading_a_config_imports_no_kernel_and_touches_no_network_or_folder(tmp_path):
+  """pyconfig reads its lists of valid values from their owners without importing Pallas (the splash kernels load
+  only when a step runs them), and parsing starts no jax.distributed, opens no connection and creates no folder
+  (STYLE.md point 2). In a fresh interpreter, since this one has imported everything."""
+  script = f"""
+    import socket, sys
+
+    def refuse(*args, **kwargs):
+      raise AssertionError("reading a config opened a network connection")
+
+    socket.socket.connect = socket.socket.connect_ex = socket.create_connection = refuse
+    from MaxText import pyconfig
+
+    cfg = pyconfig.load(
+      [{BASE_YML!r}, "run_name=r", "base_output_directory={tmp_path}/out", "metrics_file={tmp_path}/m/m.jsonl",
+       "jax_cache_dir={tmp_path}/cache", "compiled_trainstep_file={tmp_path}/c/step"], num_devices=8, env={{}}
+    )
+    pyconfig.replace(cfg, steps=7)
+    import jax
+
+    pallas = sorted(name for name in sys.modules if name.startswith("jax.experimental.pallas"))
+    assert not pallas, f"pyconfig imported {{pallas[:3]}}"
+    assert not jax.distributed.is_initialized()
+    """
+  run = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert os.listdir(tmp_path) == []
+
+
+def test_reading_alone_needs_no_jax():
+  """config_parse (yml, presets, overrides, types) reads a config without importing JAX or the layers."""
+  script = f"""
+    import sys
+    from MaxText import config_parse
+
+    values = config_parse.read([{BASE_YML!r}, "run_name=r", "steps=3"], env={{}})
+    assert values["steps"] == 3
+    assert not {{"jax", "flax", "MaxText.layers"}} & set(sys.modules), sorted(sys.modules)
+    """
+  run = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+  )
+  assert run.returncode == 0, run.stderr[-2000:]

@@ -225,7 +225,7 @@ def _per_token_losses(model, params, batches):
   import jax
   import jax.numpy as jnp
 
-  from MaxText import train
+  from MaxText import step as step_lib
 
   losses, grads = {}, None
   for batch in batches:
@@ -233,7 +233,7 @@ def _per_token_losses(model, params, batches):
     def total(p, batch=batch):
       logits, _ = model.apply({"params": p}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
                               deterministic=True, mutable=["intermediates"])  # fmt: skip
-      per_token = jnp.where(batch["targets_segmentation"] != 0, train.cross_entropy(logits, batch["targets"]), 0.0)
+      per_token = jnp.where(batch["targets_segmentation"] != 0, step_lib.cross_entropy(logits, batch["targets"]), 0.0)
       return jnp.sum(per_token), per_token
 
     (_, per_token), g = jax.value_and_grad(total, has_aux=True)(params)

@@ -19,6 +19,7 @@ import pytest
 
 from MaxText import compiled_step, metrics, optimizers, pyconfig, sharding, tpu_topology, train, train_compile
 from MaxText import state as state_lib
+from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
 from MaxText.tests.helpers import BASE_YML, overrides, run
@@ -177,7 +178,7 @@ def test_a_tiny_model_compiles_for_v5e_and_its_arguments_are_the_state_and_batch
   model = models.Transformer(cfg, mesh)
   schedule = optimizers.learning_rate_schedule(cfg)
   tx = optimizers.create_optimizer(cfg, schedule)
-  step = train.jit_train_step(
+  step = step_lib.jit_train_step(
     cfg, mesh, model=model, schedule=schedule, tx=tx, layout=state_lib.state_layout(model, cfg, tx, mesh)
   )
   state = sum(_shard_bytes(x) for x in jax.tree_util.tree_leaves(step.abstract_state))

@@ -1,0 +1,567 @@
+"""Configuration, part two: the checks. Every rule a config must keep, grouped by what it is about, each raising
+`ConfigError` with the key, the value and the fix:
+
+  validate(values)                          -> the checks that need no devices (config_parse's typed values)
+  check_topology(values, devices, slices)   -> the parallelism keys and the batch against the devices
+  check_derived(values, derived)            -> what only the derived values tell: the pipeline's layout, and
+                                               every sharded dimension splitting over its mesh axes
+
+Keys with a fixed set of values are checked against the lists of the modules that give the values their meaning
+(`choices`): the model families, remat policies, dtypes, kernels, data pipelines, optimizers, ... That is why
+this module sits above the layers; it checks, it computes nothing the run uses (config_derive does).
+"""
+
+import math
+import os
+import types
+from collections.abc import Collection, Mapping, Sequence
+
+from MaxText import families, input_pipeline, lora, metrics, optimizers, storage
+from MaxText.common_types import ConfigError, cut, shown, thaw
+from MaxText.config_derive import (
+  NAME_OF_AXIS,
+  PARALLELISM_AXES,
+  last_stack_layers,
+  mesh_axis_sizes,
+  model_dims,
+)
+from MaxText.config_parse import PATH_KEYS
+from MaxText.inference import sampling
+from MaxText.input_pipeline import tokenizer
+from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models, moe
+
+# `hardware` -> the JAX platform it runs on (cli.configure_jax sets jax_platforms from it).
+HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+
+
+def attention_type_of(family: families.Family) -> str:
+  """The attention_type a family runs: MaxText's key, which the family's decoder layer owns."""
+  return family.layer.attention_type
+
+
+def choices() -> dict[str, Collection[str]]:
+  """Each key with a fixed set of values -> those values, read from the module that owns them (at call time, so
+  a family registered after import counts)."""
+  return {
+    "hardware": HARDWARE_PLATFORMS,
+    "dtype": linears.DTYPES,
+    "weight_dtype": linears.DTYPES,
+    "matmul_precision": linears.PRECISIONS,
+    "remat_policy": models.REMAT_POLICIES,
+    "attention": attention_kernels.KERNELS,
+    "rope_type": embeddings.ROPE_TYPES,
+    "decoder_block": families.FAMILIES,
+    "tokenizer_type": tokenizer.LOADERS,
+    "dataset_type": input_pipeline.DATASET_TYPES,
+    "profiler": metrics.PROFILERS,
+    "decode_sampling_strategy": sampling.STRATEGIES,
+    "attention_type": sorted({attention_type_of(family) for family in families.FAMILIES.values()}),
+    "opt_type": optimizers.OPTIMIZERS,
+    "lr_schedule_type": optimizers.SCHEDULES,
+    "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
+    "mu_dtype": ("", *linears.DTYPES),  # "": the parameters' dtype
+    "hf_lora_export": lora.HF_EXPORTS,
+    "context_parallel_strategy": context_parallel.STRATEGIES,
+    "routed_score_func": moe.SCORE_FUNCS,
+  }
+
+
+def validate(values: Mapping) -> None:
+  """Checks that need no devices: choices, names and paths, the model's shape, training, the layers, the axis
+  rules, and the family's own."""
+  _check_choices(values)
+  _check_run_name(values)
+  _check_path_names(values)
+  _check_local_paths(values)
+  _check_model(values)
+  _check_schedule(values)
+  _check_optimizer(values)
+  _check_post_training(values)
+  _check_evaluation_and_checkpoints(values)
+  _check_axis_rules(values)
+  _check_attention(values)
+  _check_layers(values)
+  _check_moe(values)
+  _check_scale(values)
+  lora.check({**values, **model_dims(values)})
+  families.get(values["decoder_block"]).check(values)
+
+
+# ------------------------------------------------------------------------------------------ fixed choices
+def _check_choices(values: Mapping) -> None:
+  for key, valid in choices().items():
+    if values[key] not in valid:
+      raise ConfigError(f"{key}={shown(values[key])} is not supported; choose one of {', '.join(map(repr, valid))}")
+  if not values["mlp_activations"]:
+    raise ConfigError("mlp_activations=[] is empty; give at least one activation, e.g. ['silu','linear']")
+  for act in values["mlp_activations"]:
+    if act not in linears.ACTIVATIONS:
+      raise ConfigError(f"mlp_activations contains {shown(act)}; choose among {', '.join(linears.ACTIVATIONS)}")
+
+
+# ------------------------------------------------------------------------------------------ names and paths
+def _check_run_name(values: Mapping) -> None:
+  """run_name names one folder under base_output_directory, so nothing that leads anywhere else."""
+  name = values["run_name"]
+  if "/" in name or "\\" in name or name in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+    raise ConfigError(
+      f"run_name={shown(name)} must be one plain folder name: no '/' or '\\', not '.' or '..', no control characters "
+      "(it names the run's folder under base_output_directory)"
+    )
+
+
+# Longest file or folder name, and longest path, in bytes (Linux's NAME_MAX and PATH_MAX less the NUL; macOS's
+# NAME_MAX is 255 too): beyond them every open fails with ENAMETOOLONG, some only after the run has started.
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
+
+
+def _check_path_names(values: Mapping) -> None:
+  """run_name and the local paths of PATH_KEYS: names the file system takes (the bytes of each name, as os.fsencode
+  encodes it, within NAME_MAX_BYTES; no NUL character)."""
+  paths = [("run_name", values["run_name"])]
+  paths += [(key, values[key]) for key in PATH_KEYS if values[key] and not storage.is_remote(values[key])]
+  for key, path in paths:
+    try:
+      encoded = os.fsencode(path)
+    except UnicodeEncodeError:
+      raise ConfigError(f"{key}={shown(path)} cannot be encoded as a file name; use characters of your locale") from None
+    if b"\0" in encoded:
+      raise ConfigError(f"{key}={shown(path)} holds a NUL character, which no file name may; remove it")
+    if len(encoded) > PATH_MAX_BYTES:
+      raise ConfigError(f"{key}={shown(path)} is {len(encoded)} bytes long; a path may have {PATH_MAX_BYTES}")
+    for name in encoded.split(b"/"):
+      if len(name) > NAME_MAX_BYTES:
+        raise ConfigError(
+          f"{key}={shown(path)}: the name {shown(os.fsdecode(name), 60)} is {len(name)} bytes long; a file or folder "
+          f"name may have {NAME_MAX_BYTES} bytes, so shorten it"
+        )
+
+
+def _check_local_paths(values: Mapping) -> None:
+  """Paths read by libraries that take local files only (SentencePiece, safetensors, the HF folder layout)."""
+  for key in ("tokenizer_path", "hf_model_path"):
+    if storage.is_remote(values[key]):
+      raise ConfigError(
+        f"{key}={cut(values[key])} must be a local path; copy it first (e.g. gsutil -m cp -r {cut(values[key])} .) or use a "
+        "gcsfuse mount"
+      )
+
+
+# ------------------------------------------------------------------------------------------ the model's shape
+def _check_positive(values: Mapping, keys: Sequence[str]) -> None:
+  for key in keys:
+    if values[key] <= 0:
+      raise ConfigError(f"{key}={shown(values[key])} must be positive")
+
+
+def _check_model(values: Mapping) -> None:
+  shape = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers")
+  _check_positive(values, (*shape, "head_dim", "vocab_size", "max_target_length"))
+  _check_positive(values, ("rope_min_timescale", "rope_max_timescale", "rope_scaling_factor"))
+  if values["rope_type"] == "yarn":
+    _check_positive(values, ("original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow"))
+  if values["vocab_size"] >= 2**31:
+    raise ConfigError(f"vocab_size={values['vocab_size']} does not fit the int32 token ids; give a size below 2**31")
+  if values["base_num_query_heads"] % values["base_num_kv_heads"]:
+    raise ConfigError(
+      f"base_num_query_heads={values['base_num_query_heads']} is not a multiple of "
+      f"base_num_kv_heads={values['base_num_kv_heads']}; grouped-query attention needs whole groups"
+    )
+  if values["fused_qkv"] and values["base_num_query_heads"] != values["base_num_kv_heads"]:
+    raise ConfigError(
+      f"fused_qkv=true needs base_num_kv_heads == base_num_query_heads (now {values['base_num_kv_heads']} and "
+      f"{values['base_num_query_heads']}): its one matmul makes queries, keys and values of one shape; set fused_qkv=false"
+    )
+  tiles, length = values["num_vocab_tiling"], values["max_target_length"]
+  if tiles < 1 or length % tiles:
+    raise ConfigError(
+      f"num_vocab_tiling={tiles} must be a positive divisor of max_target_length={length}: each chunk takes every "
+      "row's tokens j, j + n, ...; choose e.g. num_vocab_tiling=4"
+    )
+  if not 0.0 <= values["dropout_rate"] < 1.0:
+    raise ConfigError(f"dropout_rate={values['dropout_rate']} must be in [0, 1)")
+  if values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:
+    raise ConfigError(
+      f"rope_high_freq_factor={values['rope_high_freq_factor']} must exceed "
+      f"rope_low_freq_factor={values['rope_low_freq_factor']}"
+    )
+
+
+def _check_scale(values: Mapping) -> None:
+  """global_parameter_scale multiplies the model's dimensions by powers of 2 (config_derive.scales)."""
+  scale = values["global_parameter_scale"]
+  if scale <= 0 or 2 ** int(math.log2(scale)) != scale:
+    raise ConfigError(f"global_parameter_scale={scale} is not a power of 2; use 1, 2, 4, ...")
+
+
+# ------------------------------------------------------------------------------------------ training
+def _check_schedule(values: Mapping) -> None:
+  """The step counts, the batch, and the learning-rate schedule's fractions."""
+  _check_positive(values, ("log_period", "checkpoint_period", "gradient_accumulation_steps", "per_device_batch_size"))
+  if values["steps"] == -1 and values["learning_rate_schedule_steps"] == -1:
+    raise ConfigError("steps=-1 needs learning_rate_schedule_steps set; give one of them a positive value")
+  if values["steps"] < -1 or values["steps"] == 0:
+    raise ConfigError(f"steps={shown(values['steps'])} must be positive (or -1 to take learning_rate_schedule_steps)")
+  # The step counts the compiled step sees: the optimizer's int32 step count against the schedule's boundaries (a
+  # count past 2**31 - 1 overflows the jit's int32 arguments) and the accumulation scan's length.
+  for key in ("steps", "learning_rate_schedule_steps", "gradient_accumulation_steps"):
+    if values[key] >= 2**31:
+      raise ConfigError(
+        f"{key}={shown(values[key])} does not fit the int32 step counts of the compiled step; give at most {2**31 - 1}"
+      )
+  if not 0.0 <= values["warmup_steps_fraction"] <= 1.0:
+    raise ConfigError(f"warmup_steps_fraction={values['warmup_steps_fraction']} must be in [0, 1]")
+  if values["lr_schedule_type"] == "wsd":
+    warmup, decay = values["warmup_steps_fraction"], values["wsd_decay_steps_fraction"]
+    if not 0.0 <= decay <= 1.0 or warmup + decay > 1.0:
+      raise ConfigError(
+        f"wsd_decay_steps_fraction={decay} with warmup_steps_fraction={warmup}: the decay must be in [0, 1] and "
+        "fit after the warmup (their sum at most 1)"
+      )
+  if not 0.0 <= values["learning_rate_final_fraction"] <= 1.0:
+    raise ConfigError(f"learning_rate_final_fraction={values['learning_rate_final_fraction']} must be in [0, 1]")
+  if values["learning_rate"] < 0:
+    raise ConfigError(f"learning_rate={values['learning_rate']} is negative; give a peak learning rate >= 0")
+
+
+def _check_optimizer(values: Mapping) -> None:
+  if values["mu_dtype"] and values["opt_type"] not in optimizers.USES_MU_DTYPE:
+    raise ConfigError(
+      f"mu_dtype={values['mu_dtype']} is used by opt_type {' and '.join(optimizers.USES_MU_DTYPE)} only; unset it "
+      f"(mu_dtype='') for opt_type={values['opt_type']}"
+    )
+  if not 0.0 <= values["muon_beta"] < 1.0 or values["muon_consistent_rms"] < 0:
+    raise ConfigError(
+      f"muon_beta={values['muon_beta']} must be in [0, 1) and muon_consistent_rms={values['muon_consistent_rms']} >= 0"
+    )
+
+
+def _check_post_training(values: Mapping) -> None:
+  """Supervised fine-tuning and DPO: their data, and what DPO's loss needs."""
+  if values["use_sft"] and values["dataset_type"] == "synthetic":
+    raise ConfigError("use_sft=true trains on conversations; set dataset_type to grain, tfds or hf")
+  if not values["use_dpo"]:
+    return
+  if values["use_sft"]:
+    raise ConfigError("use_dpo=true and use_sft=true: DPO trains on preference pairs, SFT on conversations; set one")
+  if values["dataset_type"] == "synthetic":
+    raise ConfigError("use_dpo=true trains on preference pairs; set dataset_type to grain, tfds or hf")
+  if values["dpo_beta"] <= 0 or not 0.0 <= values["dpo_label_smoothing"] <= 0.5:
+    raise ConfigError(
+      f"dpo_beta={values['dpo_beta']} must be > 0 and dpo_label_smoothing={values['dpo_label_smoothing']} in [0, 0.5]"
+    )
+  if values["num_vocab_tiling"] > 1:
+    raise ConfigError(f"num_vocab_tiling={values['num_vocab_tiling']}: DPO computes whole logits; set num_vocab_tiling=1")
+
+
+def _check_evaluation_and_checkpoints(values: Mapping) -> None:
+  """Evaluation, the checkpoints to keep and to load, and the seeds."""
+  if values["eval_interval"] > 0 and values["eval_steps"] < 1 and values["dataset_type"] == "synthetic":
+    raise ConfigError(f"eval_steps={values['eval_steps']}: synthetic data has no end; set eval_steps to a positive count")
+  if values["eval_per_device_batch_size"] < 0:
+    raise ConfigError(
+      f"eval_per_device_batch_size={values['eval_per_device_batch_size']} must be >= 0 (0: per_device_batch_size)"
+    )
+  if values["max_num_checkpoints_to_keep"] < 0:
+    raise ConfigError(
+      f"max_num_checkpoints_to_keep={values['max_num_checkpoints_to_keep']} is negative; give a count (0 keeps all)"
+    )
+  for key in ("init_weights_seed", "decode_sampling_seed"):  # jax.random.key takes a 32-bit seed.
+    if not -(2**31) <= values[key] < 2**32:
+      raise ConfigError(f"{key}={shown(values[key])} does not fit 32 bits; give a seed in [-2**31, 2**32)")
+  if values["load_parameters_path"] and values["load_full_state_path"]:
+    raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
+
+
+# ------------------------------------------------------------------------------------------ the layers
+def _check_layers(values: Mapping) -> None:
+  """The family's layer kinds: its attention (attention_type; MaxText's key, which the family decides) and how
+  many dense layers come before its MoE layers."""
+  block = values["decoder_block"]
+  family = families.get(block)
+  if values["attention_type"] != attention_type_of(family):
+    raise ConfigError(
+      f"attention_type={shown(values['attention_type'])}: decoder_block={block} needs "
+      f"attention_type={attention_type_of(family)!r}"
+    )
+  first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
+  if first and family.dense_layer is None:
+    with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layer is not None)
+    raise ConfigError(
+      f"first_num_dense_layers={first}: decoder_block={block} has no dense layers; set it to 0 ({with_dense} has)"
+    )
+  if not 0 <= first < layers:
+    raise ConfigError(
+      f"first_num_dense_layers={first} must be in [0, base_num_decoder_layers={layers}): a mixture-of-experts "
+      "family needs at least one MoE layer"
+    )
+
+
+def _check_moe(values: Mapping) -> None:
+  """A mixture-of-experts family needs experts to route to; a dense one has none. Then the router's keys."""
+  n, k, block = values["num_experts"], values["num_experts_per_tok"], values["decoder_block"]
+  if families.get(block).moe:
+    if n < 2:
+      raise ConfigError(f"num_experts={n}: decoder_block={block} is a mixture of experts; give num_experts >= 2")
+    if not 1 <= k <= n:
+      raise ConfigError(f"num_experts_per_tok={k} must be in [1, num_experts={n}]")
+    if values["base_moe_mlp_dim"] == 0 or values["base_moe_mlp_dim"] < -1:
+      raise ConfigError(f"base_moe_mlp_dim={values['base_moe_mlp_dim']} must be positive, or -1 to take base_mlp_dim")
+  elif n != 1:
+    moe_families = [name for name, family in families.FAMILIES.items() if family.moe]
+    raise ConfigError(
+      f"num_experts={n}: decoder_block={block} has a dense MLP; set num_experts=1 or use a mixture-of-experts family "
+      f"({', '.join(moe_families)})"
+    )
+  _check_router(values)
+
+
+def _check_router(values: Mapping) -> None:
+  """Sigmoid routing's bias and groups (DeepSeek-V3), and the router's weights."""
+  n, k = values["num_experts"], values["num_experts_per_tok"]
+  groups, top_groups = values["n_routing_groups"], values["topk_routing_group"]
+  if (values["routed_bias"] or groups > 0) and values["routed_score_func"] != "sigmoid":
+    raise ConfigError("routed_bias and n_routing_groups apply to sigmoid routing; set routed_score_func=sigmoid")
+  if groups > 0 and (n % groups or not 1 <= top_groups <= groups or k > top_groups * (n // groups) or n // groups < 2):
+    raise ConfigError(
+      f"n_routing_groups={groups}, topk_routing_group={top_groups}: the groups must split num_experts={n} evenly into "
+      f"groups of at least 2, with 1 <= topk_routing_group <= n_routing_groups holding num_experts_per_tok={k} experts"
+    )
+  if values["routed_bias_update_rate"] < 0 or (values["routed_bias_update_rate"] > 0 and not values["routed_bias"]):
+    raise ConfigError(
+      f"routed_bias_update_rate={values['routed_bias_update_rate']} must be >= 0, and updates the bias of "
+      "routed_bias=true (sigmoid routing); set routed_bias=true or the rate to 0"
+    )
+  if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
+    raise ConfigError(
+      f"routed_scaling_factor={values['routed_scaling_factor']} must be positive, shared_experts="
+      f"{values['shared_experts']} and load_balance_loss_weight={values['load_balance_loss_weight']} >= 0"
+    )
+
+
+def _check_attention(values: Mapping) -> None:
+  """What the chosen attention kernel cannot do, known before any device work (attention_kernels raises the same
+  errors when the step is traced, for anything only the traced shapes tell)."""
+  name, settings = values["attention"], types.SimpleNamespace(**values)
+  if name.startswith("cudnn"):
+    if values["hardware"] != "gpu":
+      raise ConfigError(
+        f"attention={name} is cuDNN fused attention, for NVIDIA GPUs; set hardware=gpu, or use attention=flash"
+      )
+    head_dim = values["head_dim"]
+    if values["attention_type"] == "mla":  # the width MLA gives the kernel (attention_mla.py pads to it)
+      head_dim = max(values["qk_nope_head_dim"] + values["qk_rope_head_dim"], values["v_head_dim"])
+    shape = (1, values["max_target_length"], values["base_num_query_heads"], head_dim)
+    window, cap = values["sliding_window_size"], values["attn_logits_soft_cap"]
+    reason = attention_kernels.cudnn_unsupported_reason(settings, shape, linears.DTYPES[values["dtype"]], window, cap)
+    if reason:
+      raise ConfigError(f"attention={name}: {reason}; use attention=flash or attention=dot_product")
+  if name == "flash" and (values["hardware"] == "tpu" or values["compile_topology"]):
+    attention_kernels.splash_blocks(settings, values["max_target_length"])
+
+
+# ------------------------------------------------------------------------------------------ mesh axes
+def _check_axis_rules(values: Mapping) -> None:
+  if sorted(values["mesh_axes"]) != sorted(PARALLELISM_AXES.values()):
+    raise ConfigError(
+      f"mesh_axes={shown(thaw(values['mesh_axes']))} must be an ordering of {sorted(PARALLELISM_AXES.values())}"
+    )
+  for rule in values["logical_axis_rules"]:
+    if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f"logical_axis_rules entry {shown(thaw(rule))} is not [logical_name, [mesh_axes]]")
+    for axis in _rule_axes(rule[1]):
+      if axis not in values["mesh_axes"]:
+        raise ConfigError(
+          f"logical_axis_rules maps {shown(rule[0])} to unknown mesh axis {shown(axis)}; use one of "
+          f"{list(values['mesh_axes'])}"
+        )
+
+
+def _rule_axes(mesh_axes) -> tuple[str, ...]:
+  """The mesh axes of one rule's right-hand side: an axis name, or a list of them."""
+  return mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+
+
+def _rule_of(values: Mapping, logical: str) -> tuple[str, ...]:
+  """The mesh axes of a logical name's first rule in logical_axis_rules."""
+  rule = next((mesh_axes for name, mesh_axes in values["logical_axis_rules"] if name == logical), ())
+  return _rule_axes(rule) if rule else ()
+
+
+# ------------------------------------------------------------------------------------------ the devices
+def check_topology(values: Mapping, num_devices: int, num_slices: int) -> None:
+  """The parallelism keys against the devices (ICI inside a slice, DCN across slices), and the batch: a whole
+  number of sequences over the devices."""
+  if num_devices % num_slices:
+    raise ConfigError(f"{num_devices} devices do not split evenly into {num_slices} slices")
+  _check_parallelism("ici", values, num_devices // num_slices)
+  _check_parallelism("dcn", values, num_slices)
+  micro = values["per_device_batch_size"] * num_devices
+  if micro < 1 or not float(micro).is_integer():
+    raise ConfigError(
+      f"per_device_batch_size={values['per_device_batch_size']} x {num_devices} devices = {micro} is not a whole "
+      "number of sequences; choose a per_device_batch_size that gives one"
+    )
+  eval_per_device = values["eval_per_device_batch_size"] or values["per_device_batch_size"]
+  eval_batch = eval_per_device * num_devices
+  if eval_batch < 1 or not float(eval_batch).is_integer():
+    raise ConfigError(
+      f"eval_per_device_batch_size={eval_per_device} x {num_devices} devices = {eval_batch} is not a whole number "
+      "of sequences; choose another eval_per_device_batch_size"
+    )
+
+
+def _check_parallelism(kind: str, values: Mapping, total: int) -> None:
+  """The `{kind}_*_parallelism` sizes: positive or one -1 filling the rest, their product `total`."""
+  sizes = {name: values[f"{kind}_{name}_parallelism"] for name in PARALLELISM_AXES}
+  fill = [name for name, size in sizes.items() if size == -1]
+  if len(fill) > 1:
+    raise ConfigError(
+      f"{kind}_{fill[0]}_parallelism and {kind}_{fill[1]}_parallelism are both -1; at most one {kind} axis may be -1"
+    )
+  for name, size in sizes.items():
+    if size == 0 or size < -1:
+      raise ConfigError(f"{kind}_{name}_parallelism={size} must be positive or -1")
+  known = math.prod(size for size in sizes.values() if size != -1)
+  unit = "devices per slice" if kind == "ici" else "slices (DCN granules: TPU slices, else processes)"
+  given = " x ".join(f"{kind}_{name}_parallelism={size}" for name, size in sizes.items() if size > 1)
+  given = given or f"every {kind}_*_parallelism=1"
+  if fill and total % known:
+    raise ConfigError(
+      f"{given} does not divide the {total} {unit} ({kind}_{fill[0]}_parallelism=-1 fills the rest); "
+      f"choose {kind}_*_parallelism values whose product divides {total}"
+    )
+  if not fill and known != total:
+    raise ConfigError(
+      f"{given} makes {known}, not the {total} {unit}; make the product {total}, "
+      f"or set one {kind}_*_parallelism to -1 to fill"
+    )
+
+
+# ------------------------------------------------------------------------------------------ the derived values
+def check_derived(values: Mapping, d: Mapping) -> None:
+  """What only the derived values `d` (config_derive.derive's) tell: the pipeline's layout, and each sharded
+  dimension splitting evenly over the mesh axes its logical name maps to in logical_axis_rules (a jitted array
+  cannot be split unevenly)."""
+  _check_pipeline(values, d)
+  _check_dimension_splits(values, d)
+  _check_sequence_splits(values, d)
+  _check_batch_splits(values, d)
+
+
+def _check_pipeline(values: Mapping, d: Mapping) -> None:
+  """The pipeline's layers, repeats and microbatches (layers/pipeline.py) against the model and the batch."""
+  stages = mesh_axis_sizes(values, d)["stage"]
+  if stages == 1:
+    return
+  layers, last_stack = d["num_decoder_layers"], last_stack_layers(values, d["num_decoder_layers"])
+  piped, micro, per_stage = (
+    d["pipeline_parallel_layers"],
+    d["num_pipeline_microbatches"],
+    values["num_layers_per_pipeline_stage"],
+  )
+  ici, dcn = values["ici_pipeline_parallelism"], values["dcn_pipeline_parallelism"]
+  given = f"{stages} stages (ici_pipeline_parallelism={ici}, dcn_pipeline_parallelism={dcn})"
+  if not 0 < piped <= last_stack:
+    raise ConfigError(f"pipeline_parallel_layers={piped}: the pipeline takes 1 to {last_stack} layers (the last stack's)")
+  if per_stage < 1 or stages * per_stage * d["num_pipeline_repeats"] != piped:
+    raise ConfigError(
+      f"the {piped} pipelined layers (pipeline_parallel_layers) must be {given} x num_layers_per_pipeline_stage="
+      f"{per_stage} x num_pipeline_repeats={values['num_pipeline_repeats']} (-1: derived); choose values whose "
+      f"product is {piped}"
+    )
+  stacks = [layers - last_stack, last_stack] if last_stack < layers else [layers]
+  if any(count % stages for count in stacks if count):
+    raise ConfigError(
+      f"{given}: the layer stacks of {', '.join(map(str, (c for c in stacks if c)))} layers must split evenly over the "
+      "stages (their weights are sharded over them); change the pipeline parallelism or first_num_dense_layers"
+    )
+  if micro % stages:
+    raise ConfigError(f"num_pipeline_microbatches={micro} must be a multiple of the {given}")
+  for key, rows in (("per_device_batch_size", d["micro_batch_size"]), ("eval_per_device_batch_size", d["eval_batch_size"])):
+    if rows % micro:
+      raise ConfigError(
+        f"{key} gives batches of {rows} rows, which num_pipeline_microbatches={micro} does not divide; raise {key} or "
+        "change num_pipeline_microbatches"
+      )
+
+
+def _check_dimension_splits(values: Mapping, d: Mapping) -> None:
+  """The model's sharded dimensions over the mesh axes of their logical names."""
+  dims = (
+    ("num_query_heads", d["num_query_heads"], "heads"),
+    ("num_kv_heads", d["num_kv_heads"], "kv_heads"),
+    ("mlp_dim", d["mlp_dim"], "mlp"),
+    ("max_target_length", values["max_target_length"], "activation_length"),
+  )
+  if values["num_experts"] > 1:
+    dims += (("moe_mlp_dim", d["moe_mlp_dim"], "mlp"), ("num_experts", values["num_experts"], "exp"))
+  if values["attention_type"] == "mla":
+    dims += (("kv_lora_rank", values["kv_lora_rank"], "kv_lora"),)
+    if values["q_lora_rank"] > 0:
+      dims += (("q_lora_rank", values["q_lora_rank"], "q_lora"),)
+  for key, size, logical in dims:
+    shards, axes = _shards(values, d, logical)
+    if size % shards:
+      raise ConfigError(
+        f"{key}={size} does not split over the {shards} shards of the mesh axes of {logical}: {axes}; make the product "
+        f"of these parallelism values divide {size}"
+      )
+
+
+def _check_sequence_splits(values: Mapping, d: Mapping) -> None:
+  """Sequences split over devices (context parallelism): what runs with it."""
+  shards, axes = _shards(values, d, "activation_length")
+  if shards == 1:
+    return
+  if values["context_parallel_load_balance"] and values["max_target_length"] % (2 * shards):
+    raise ConfigError(
+      f"context_parallel_load_balance: max_target_length={values['max_target_length']} does not split into 2 x "
+      f"{shards} chunks for the {shards} sequence shards of {axes}; make it a multiple of {2 * shards}, or set "
+      "context_parallel_load_balance=false"
+    )
+  if values["context_parallel_load_balance"] and values["capacity_factor"] > 0:
+    raise ConfigError(
+      f"capacity_factor={values['capacity_factor']} drops expert assignments in token order, which "
+      "context_parallel_load_balance changes; set context_parallel_load_balance=false or capacity_factor=-1 (dropless)"
+    )
+  stages = mesh_axis_sizes(values, d)["stage"]
+  if stages > 1:
+    raise ConfigError(
+      f"pipeline parallelism ({stages} stages) with sequences split over {axes} is not supported yet; set the "
+      "*_pipeline_parallelism or the *_context/_sequence_parallelism keys to 1"
+    )
+  if values["attention"].startswith("cudnn"):
+    raise ConfigError(
+      f"attention={values['attention']} (cuDNN) does not run under context parallelism ({axes}); use "
+      "attention=flash or dot_product"
+    )
+
+
+def _check_batch_splits(values: Mapping, d: Mapping) -> None:
+  """The batch (or each pipeline microbatch) over the mesh axes of activation_batch."""
+  shards, axes = _shards(values, d, "activation_batch")
+  batch_axes = _rule_of(values, "activation_batch")
+  elsewhere = [f"ici_{name}_parallelism" for name, axis in PARALLELISM_AXES.items() if axis not in batch_axes]
+  pieces = d["num_pipeline_microbatches"] if mesh_axis_sizes(values, d)["stage"] > 1 else 1
+  for key, rows in (("per_device_batch_size", d["micro_batch_size"]), ("eval_per_device_batch_size", d["eval_batch_size"])):
+    if (rows // pieces) % shards:
+      what = f"pipeline microbatches of {rows // pieces} rows" if pieces > 1 else f"a batch of {rows} rows"
+      raise ConfigError(
+        f"{key}={values[key] or values['per_device_batch_size']} gives {what} that does not split "
+        f"over the {shards} shards of the mesh axes of activation_batch: {axes}; raise {key}, or move devices to axes "
+        f"that do not shard the batch ({', '.join(elsewhere)})"
+      )
+
+
+def _shards(values: Mapping, d: Mapping, logical: str) -> tuple[int, str]:
+  """How many shards a logical name's mesh axes make, and those axes of size > 1 described with the parallelism
+  keys that set them, e.g. "fsdp=4 (ici_fsdp_parallelism=-1, dcn_fsdp_parallelism=1)"."""
+  axis_size = mesh_axis_sizes(values, d)
+  axes = _rule_of(values, logical)
+  described = []
+  for axis in (a for a in axes if axis_size[a] > 1):
+    keys = [f"{kind}_{NAME_OF_AXIS[axis]}_parallelism" for kind in ("ici", "dcn")]
+    described.append(f"{axis}={axis_size[axis]} ({', '.join(f'{key}={values[key]}' for key in keys)})")
+  return math.prod(axis_size[axis] for axis in axes), " x ".join(described)

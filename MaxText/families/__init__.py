@@ -1,0 +1,158 @@
+"""Model families: one registered `Family` per `decoder_block` value, owning all that is particular to it.
+
+A family is two files: its decoder layer in layers/ (a subclass of LlamaDecoderLayer that changes its hooks, or
+Llama's own) and its module here, `MaxText/families/<decoder_block>.py`, which defines `FAMILY = Family(...)`: the
+layer, the config checks and derived keys (pyconfig runs them), the Hugging Face mapping (convert/hf_families.py:
+config.json keys both ways, architecture, tensor layout) and the small transformers models its parity test builds.
+The modules are found by listing this package, so the valid `decoder_block` values are the names in FAMILIES and no
+list anywhere names them. Registering a family also gives its layer to the layers' own registry (layers/decoders.py),
+which is how the model finds it without the layers importing this package.
+"""
+
+import dataclasses
+import importlib
+import os
+import pkgutil
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flax import linen as nn
+
+from MaxText.common_types import Config, ConfigError
+from MaxText.convert import hf_families
+from MaxText.layers import decoders
+from MaxText.layers.decoders import Stack, layer_stacks, param_path
+
+__all__ = ["FAMILIES", "Family", "Stack", "for_hf_config", "get", "hf_mapping", "layer_stacks", "model_keys_from_hf"]
+__all__ += ["no_checks", "param_path", "presets", "register", "rope_rotates_pairs", "summary_table", "unregister"]
+
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+
+
+def no_checks(values: Mapping[str, Any]) -> None:
+  del values
+
+
+def no_derived_keys(values: Mapping[str, Any]) -> dict:
+  del values
+  return {}
+
+
+def rope_rotates_pairs(values: Mapping[str, Any]) -> None:
+  if values["head_dim"] % 2:
+    raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family: its layer, its config checks and derived keys, its Hugging Face mapping."""
+
+  name: str  # the decoder_block value, and the name of the family's module in this package
+  layer: type[nn.Module]  # the decoder layer: x [batch, length, embed] -> (x, kv); see layers/llama.py
+  hf: hf_families.HFMapping | None = None  # the Hugging Face mapping; None: no import or export
+  # Raises ConfigError for typed config values (pyconfig.parse's) this family cannot run; the default suits a
+  # family with rotary embeddings.
+  check: Callable[[Mapping[str, Any]], None] = rope_rotates_pairs
+  # Keys this family adds to the Config, from the values pyconfig.derive has computed (emb_dim, mesh, ...).
+  derive: Callable[[Mapping[str, Any]], dict] = no_derived_keys
+  summary: str = ""  # what it adds to Llama's layer, one line (README's table of families: summary_table)
+  # Small random transformers models of the family, by a name unique among all families: the parity tests
+  # (tests/hf_checkpoint_test.py) run each against transformers. A family with an `hf` mapping needs one.
+  hf_examples: Mapping[str, hf_families.HFExample] = dataclasses.field(default_factory=dict)
+
+  # The layer's traits, which pyconfig checks the config against.
+  @property
+  def moe(self) -> bool:
+    """Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2."""
+    return self.layer.moe
+
+  @property
+  def mla(self) -> bool:
+    """Its attention is multi-head latent attention (attention_type=mla)."""
+    return self.layer.attention_type == "mla"
+
+  @property
+  def dense_layer(self) -> type[nn.Module] | None:
+    """The layer of the first first_num_dense_layers layers (DeepSeek's dense ones); None: every layer is `layer`."""
+    return self.layer.dense_layer
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> None:
+  """Adds a family (its module's FAMILY, or one a test defines) to FAMILIES and its layer to the layers' registry."""
+  if family.name in FAMILIES:
+    raise ValueError(f"a family named {family.name!r} is registered already")
+  FAMILIES[family.name] = family
+  decoders.DECODER_LAYERS[family.name] = family.layer
+
+
+def unregister(name: str) -> None:
+  """Removes a registered family (a test's throwaway one)."""
+  del FAMILIES[name], decoders.DECODER_LAYERS[name]
+
+
+def _register_modules() -> None:
+  """Registers the FAMILY of every module of this package, in the order of their names."""
+  for module in pkgutil.iter_modules(__path__):
+    family = importlib.import_module(f"{__name__}.{module.name}").FAMILY
+    if family.name != module.name:
+      raise ValueError(f"MaxText/families/{module.name}.py registers {family.name!r}; name the module after its family")
+    register(family)
+
+
+_register_modules()
+
+
+def get(decoder_block: str) -> Family:
+  try:
+    return FAMILIES[decoder_block]
+  except KeyError:
+    raise ConfigError(
+      f"decoder_block={decoder_block!r} is not supported; choose one of {', '.join(map(repr, FAMILIES))}"
+    ) from None
+
+
+def for_hf_config(config_json: Mapping) -> Family:
+  """The family whose Hugging Face model_type a config.json names; ConfigError if none has it."""
+  model_type = config_json.get("model_type")
+  with_hf = [f for f in FAMILIES.values() if f.hf is not None]
+  for family in with_hf:
+    if family.hf.model_type == model_type:
+      return family
+  supported = ", ".join(f.hf.model_type for f in with_hf)
+  raise hf_families.unsupported(f"model_type={model_type!r} is not supported; supported: {supported}")
+
+
+def model_keys_from_hf(config_json: Mapping) -> dict:
+  """Our model keys (decoder_block included) from a Hugging Face config.json; ConfigError if unsupported."""
+  family = for_hf_config(config_json)
+  return hf_families.model_keys(family.hf, family.name, config_json)
+
+
+def hf_mapping(config: Config) -> hf_families.HFMapping:
+  """The Hugging Face mapping of the config's family; ConfigError if it has none."""
+  family = get(config.decoder_block)
+  if family.hf is None:
+    raise ConfigError(f"decoder_block={config.decoder_block} has no Hugging Face mapping; it cannot be exported")
+  return family.hf
+
+
+def presets(name: str) -> list[str]:
+  """The presets in configs/models/ whose decoder_block is the family `name`, sorted."""
+  found = []
+  for file in sorted(os.listdir(MODELS_DIR)):
+    text = open(os.path.join(MODELS_DIR, file), encoding="utf-8").read()
+    if file.endswith(".yml") and re.search(rf"^decoder_block:\s*[\"']?{re.escape(name)}[\"']?\s*(#|$)", text, re.M):
+      found.append(file.removesuffix(".yml"))
+  return found
+
+
+def summary_table() -> str:
+  """README's table of the registered families (markdown): decoder_block, what it adds to Llama's layer, presets."""
+  rows = ["| decoder_block | what it adds to Llama's layer | presets |", "|---|---|---|"]
+  for family in FAMILIES.values():
+    rows.append(f"| `{family.name}` | {family.summary} | {', '.join(presets(family.name)) or '-'} |")
+  return "\n".join(rows)

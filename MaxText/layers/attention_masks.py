@@ -1,0 +1,118 @@
+"""What every attention kernel shares: which keys a query sees, how logits are capped, and the settings of a call.
+
+A query sees a key when the key is not in its future (by index in the whole sequence), belongs to the same packed
+document (segment id) and, with a sliding window, lies less than `window` positions back. Masked logits get
+MASK_VALUE, large but finite, so that a row with no visible key is never NaN. Every kernel (attention_kernels.py)
+applies these rules, and `AttentionSettings` carries everything a call needs beyond its arrays.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.common_types import Config
+from MaxText.layers.linears import PRECISIONS
+
+# Added to masked logits: large but finite, so a row never becomes NaN (MaxText's DEFAULT_MASK_VALUE).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSettings:
+  """What an attention call computes, and how, besides its arrays (q, k, v, segment ids, positions).
+
+  window: sliding window, keys with q_pos - k_pos >= window are masked (<= 0: none); a python int, or a traced
+    int32 scalar when the layers of one scan differ (Gemma 2 alternates local and global layers);
+  cap: logit soft cap, cap * tanh(logits / cap) (0: none; Gemma 2);
+  precision: of the matmuls (softmax statistics are float32 regardless);
+  block_q, block_kv: the tiles of blockwise attention (clipped to the length);
+  interpret: run Pallas kernels (splash) in interpret mode, on any platform (tests on the CPU);
+  config: the run's Config, for what only the choice of kernel, splash and the mesh read (`attention`, the sa_*
+    tiles, sliding_window_size, logical_axis_rules); None for direct calls of blockwise or dot_product.
+  """
+
+  window: int | jax.Array = 0
+  cap: float = 0.0
+  precision: jax.lax.Precision | None = None
+  block_q: int = 512
+  block_kv: int = 512
+  interpret: bool = False
+  config: Config | None = None
+
+  @classmethod
+  def from_config(cls, config: Config, **fields) -> "AttentionSettings":
+    """The settings a model's attention runs with: the config's matmul precision and blocks (sa_block_q,
+    sa_block_kv), and the given fields (window, cap, ...)."""
+    fields = {
+      "precision": PRECISIONS[config.matmul_precision],
+      "block_q": config.sa_block_q,
+      "block_kv": config.sa_block_kv,
+      **fields,
+    }
+    return cls(config=config, **fields)
+
+  @property
+  def windowed(self) -> bool:
+    """Whether a window may apply; known before tracing (False only for a python window <= 0)."""
+    return not (is_static(self.window) and self.window <= 0)
+
+  def window_array(self) -> jax.Array | None:
+    """The window as an int32 scalar for kernels that take it as data, None when there is none (so its masks are
+    skipped at trace time)."""
+    return jnp.asarray(self.window, jnp.int32) if self.windowed else None
+
+  def static(self) -> "AttentionSettings":
+    """These settings without the window (it may be traced, and travels as data) and the config: the constants a
+    kernel's compiled parts (custom_vjp's non-differentiable arguments) are specialised on."""
+    return dataclasses.replace(self, window=0, config=None)
+
+
+def is_static(window) -> bool:
+  """Whether a window is a python integer, known at trace time (else a traced scalar)."""
+  return isinstance(window, (int, np.integer))
+
+
+class Tokens(NamedTuple):
+  """What the masks need of a run of query or key tokens: segment_ids and positions [batch, n], and `index`
+  [n], each token's place in the whole sequence (causality goes by it). Plain attention has index 0..n-1;
+  under context parallelism a device's queries and the keys it sees are pieces of the sequence, with their
+  indices ascending."""
+
+  segment_ids: jax.Array
+  positions: jax.Array
+  index: jax.Array
+
+  def mask(self, keys: "Tokens", window=0) -> jax.Array:
+    """[batch, q, k] bool: key visible to query (causal by index, same segment, within the window)."""
+    mask = (self.index[:, None] >= keys.index[None, :])[None]
+    mask = mask & (self.segment_ids[:, :, None] == keys.segment_ids[:, None, :])
+    return mask & within_window(self.positions[:, :, None], keys.positions[:, None, :], window)
+
+
+class Mask(NamedTuple):
+  """Which keys each query sees: the queries' and the keys' Tokens, and the window as an int32 scalar (None: no
+  window, known at trace time)."""
+
+  queries: Tokens
+  keys: Tokens
+  window: jax.Array | None = None
+
+  def visible(self) -> jax.Array:
+    """[batch, q, k] bool."""
+    return self.queries.mask(self.keys, 0 if self.window is None else self.window)
+
+
+def within_window(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
+  """Key positions a query may see under sliding-window attention (q - k < window); all of them when window <= 0.
+  `window` may be traced (Gemma 2 alternates local and global layers inside one scan)."""
+  if isinstance(window, int) and window <= 0:
+    return jnp.asarray(True)
+  return (jnp.asarray(window) <= 0) | (q_pos - k_pos < window)
+
+
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(logits / cap) (Gemma 2's logit soft-capping); identity for cap <= 0."""
+  return cap * jnp.tanh(logits / cap) if cap > 0 else logits
