@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from MaxText.tests.helpers import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # Each test starts pytest in a process of its own.
 
 # A parity test, a module skipped whole for its reference, and a skip of another kind. Setting sys.modules[name] to
 # None makes the import fail as it does where the package is not installed.

@@ -74,6 +74,7 @@ def _loss_and_grads(cfg, params, batch):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
+@pytest.mark.slow  # Its fast sibling: model_test's scanned-equals-unrolled (one stack).
 def test_dense_and_moe_stacks_scanned_equal_unrolled():
   """The scanned stacks `dense_layers` (1 layer) and `moe_layers` (2) give the loss (with the load-balancing
   loss) and gradients of the unrolled dense_layers_0, moe_layers_0 and moe_layers_1."""
@@ -98,6 +99,7 @@ def test_dense_and_moe_stacks_scanned_equal_unrolled():
         np.testing.assert_allclose(g[j], gu, rtol=1e-4, atol=1e-6 * np.abs(gu).max(), err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # Its fast sibling: moe_test's test_sharded_training_equals_one_device (Mixtral's experts).
 def test_sharded_training_equals_one_device():
   """expert 2 x fsdp 2 x tensor 2 on 8 devices (MLA's heads over tensor, its compressed ranks over fsdp) trains
   3 steps to the losses of one device."""
@@ -217,7 +219,7 @@ def test_the_block_counts_the_assignments_the_router_makes():
   np.testing.assert_array_equal(sown["intermediates"]["moe_expert_counts"][0], want)
 
 
-@pytest.mark.parametrize("scan", ["true", "false"])
+@pytest.mark.parametrize("scan", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_a_training_step_moves_each_routing_bias_towards_balance(scan):
   """After one step (learning rate 0, so only the bias moves), each MoE layer's bias is its old value plus
   rate * sign(mean count - count) of that layer's assignment counts over the step's batch (float64 NumPy from
@@ -248,6 +250,7 @@ def test_a_training_step_moves_each_routing_bias_towards_balance(scan):
       assert np.any(counts != counts.mean(axis=-1, keepdims=True))  # the routing is not balanced already
 
 
+@pytest.mark.slow  # Its fast siblings: inference_test's sharded decode and the latent cache test below.
 def test_sharded_decode_equals_single_device():
   """fsdp 2 x expert 2 x tensor 2 on 8 devices: the latent cache's batch is sharded and its one latent "head"
   kept whole (MLA's heads go over tensor in the projections); the same logits and tokens as one device."""

@@ -165,7 +165,7 @@ def _greedy_by_full_forward(model, params, prompt, n):
   return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("scan", ["true", "false"])
+@pytest.mark.parametrize("scan", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_a_new_family_decodes_as_its_uncached_forward(toy, scan):
   """The KV cache (prefill, then cached steps in the compiled loop) gives the tokens of greedy decoding by the full
   forward pass, with the toy's windows (shorter than the prompts) in layers 0 and 3, scanned (traced windows) or

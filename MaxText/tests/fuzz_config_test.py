@@ -9,10 +9,11 @@ import random
 import shutil
 import time
 
+import pytest
 import yaml
 
 from MaxText import pyconfig, train
-from MaxText.tests.helpers import BASE_YML, Hung, deadline, overrides
+from MaxText.tests.helpers import BASE_YML, FUZZ_PARTS, Hung, deadline, fuzz_part, overrides
 
 CASES = 300
 SEED = 15
@@ -143,7 +144,8 @@ def _command_line(valid: list[str], mistake: list[str]) -> list[str]:
   return [arg for arg in valid if arg.split("=", 1)[0] not in mistaken] + mistake
 
 
-def test_fuzzed_bad_configs_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("part", FUZZ_PARTS)
+def test_fuzzed_bad_configs_exit_2_with_one_line_and_write_nothing(part, tmp_path, capsys, monkeypatch):
   (tmp_path / "a_file").write_text("not a folder\n")
   (tmp_path / "a_folder").mkdir()
   before = _listing(tmp_path)
@@ -154,7 +156,8 @@ def test_fuzzed_bad_configs_exit_2_with_one_line_and_write_nothing(tmp_path, cap
     "override_model_config=true",
   )  # fmt: skip
   failures = []
-  for _, case in _cases():
+  cases = fuzz_part(_cases(), part)
+  for _, (_, case) in cases:
     args = _command_line(valid, [arg.replace("{tmp}", str(tmp_path)) for arg in case])
     try:
       code = train.main(["train.py", BASE_YML, *args])
@@ -166,7 +169,7 @@ def test_fuzzed_bad_configs_exit_2_with_one_line_and_write_nothing(tmp_path, cap
     if code != 2 or len(lines) != 1 or not lines[0].startswith("error: ") or "Traceback" in err + out or written:
       failures.append(f"{case}: exit {code}, stderr {err.strip()[-300:]!r}, wrote {sorted(written)[:3]}")
       shutil.rmtree(tmp_path / "runs", ignore_errors=True)
-  assert not failures, f"{len(failures)} of {CASES} cases:\n" + "\n".join(failures)
+  assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
 
 
 def test_the_fuzzer_draws_every_kind_of_mistake():
@@ -322,23 +325,25 @@ def _make_case_folder(cases) -> None:
   os.symlink(cases / "nowhere", cases / "dangling_link")
 
 
-def test_fuzzed_config_files_exit_2_with_one_line_within_seconds(tmp_path, tmp_path_factory, capsys, monkeypatch):
+@pytest.mark.parametrize("part", FUZZ_PARTS)
+def test_fuzzed_config_files_exit_2_with_one_line_within_seconds(part, tmp_path, tmp_path_factory, capsys, monkeypatch):
   """Each generated config file ends train.py with exit 2 and one short `error: ` line, with no traceback, nothing
   written, within CASE_SECONDS; a file that is valid after all (an empty one, comments only) trains instead."""
-  cases = tmp_path_factory.mktemp("cases")
-  _make_case_folder(cases)
+  case_folder = tmp_path_factory.mktemp("cases")
+  _make_case_folder(case_folder)
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   valid = overrides(f"base_output_directory={tmp_path}/runs", "steps=1", "run_name=fuzz")
-  before, case_files = _listing(tmp_path), _listing(cases)
+  before, case_files = _listing(tmp_path), _listing(case_folder)
   failures, outcomes = [], collections.Counter()
-  for i, (kind, files, config_path, is_valid) in enumerate(_file_cases()):
+  cases = fuzz_part(_file_cases(), part)
+  for i, (kind, files, config_path, is_valid) in cases:
     for name, content in files.items():
-      (cases / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+      (case_folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     start = time.monotonic()
     try:
       with deadline(CASE_SECONDS):
-        code = train.main(["train.py", _special_path(config_path, cases), *valid])
+        code = train.main(["train.py", _special_path(config_path, case_folder), *valid])
     except Hung:
       code = f"still running after {CASE_SECONDS} s"
     except BaseException as e:  # noqa: BLE001 (a traceback is a failure to report with the others)
@@ -358,10 +363,10 @@ def test_fuzzed_config_files_exit_2_with_one_line_within_seconds(tmp_path, tmp_p
                       f"{err.strip()[-300:]!r}, wrote {sorted(written)[:3]}")  # fmt: skip
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
     for name in files:
-      os.remove(cases / name)
-  assert not failures, f"{len(failures)} of {FILE_CASES} cases:\n" + "\n".join(failures)
-  assert _listing(cases) == case_files  # nothing written beside the config files either
-  assert outcomes[2] > FILE_CASES * 0.9, outcomes
+      os.remove(case_folder / name)
+  assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
+  assert _listing(case_folder) == case_files  # nothing written beside the config files either
+  assert outcomes[2] > len(cases) * 0.9, outcomes
 
 
 def test_the_file_fuzzer_draws_every_trick():

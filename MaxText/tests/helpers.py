@@ -9,6 +9,7 @@ import subprocess
 
 import jax
 import numpy as np
+import pytest
 
 from MaxText import pyconfig
 
@@ -165,3 +166,15 @@ def deadline(seconds: int):
   finally:
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+# A fuzz test's cases in two parts: every SAMPLE_EVERY-th case in the quick loop, the others behind the slow marker
+# (the whole suite runs both, so every case still runs in CI).
+SAMPLE_EVERY = 6
+FUZZ_PARTS = [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)]
+
+
+def fuzz_part(cases: list, part: str) -> list:
+  """The cases of FUZZ_PARTS' `part`, each with its index in `cases`: [(i, case), ...]."""
+  sampled = part == "sample"
+  return [(i, case) for i, case in enumerate(cases) if (i % SAMPLE_EVERY == 0) == sampled]

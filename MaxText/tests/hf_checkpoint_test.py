@@ -119,7 +119,13 @@ def assert_close(ours, theirs, valid):
   assert err <= 1e-4, f"relative logit difference {err:.2e}"
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+# Each family's first example runs in the quick loop; its further variants (another RoPE, layout) are slow-marked.
+FIRST_EXAMPLES = {next(iter(family.hf_examples)) for family in families.FAMILIES.values() if family.hf_examples}
+
+
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=[] if n in FIRST_EXAMPLES else [pytest.mark.slow]) for n in sorted(EXAMPLES)]
+)
 def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
   example = EXAMPLES[name][1]
   scan = "true" if example.scan_layers else "false"  # the examples between them cover both layouts

@@ -244,6 +244,7 @@ def test_cli_decodes_from_run_and_from_unrolled_params_only_checkpoint(trained, 
   assert len(err.strip().splitlines()) == 1 and "Input `" not in out
 
 
+@pytest.mark.slow  # A benchmark run end to end; the decoder's numerics are the cache tests' (quick loop).
 def test_microbenchmark_reports_times_and_bandwidth(trained, tmp_path, capsys):
   root, args = trained
   log = tmp_path / "bench.json"

@@ -194,6 +194,7 @@ def test_expert_parallel_block_equals_one_device(mesh):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
+@pytest.mark.slow  # Trains seven times; test_expert_parallel_block_equals_one_device is its fast sibling.
 def test_expert_parallel_degrees_train_alike_and_checkpoints_restore_across_them(tmp_path):
   """ici_expert_parallelism 1, 2, 4 and 8 train to the same losses (4 steps); a checkpoint written under expert
   parallelism 4 resumes under 1 (fsdp 8) and 2 (with tensor 2) with the uninterrupted run's losses."""

@@ -69,7 +69,16 @@ def _model_keys(args):
   return [a for a in args if not a.startswith(("ici_", "num_pipeline", "num_layers_per", "pipeline_"))]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Slow-marked (5-11 s each); the other layouts are their fast siblings: 2 stages (scanned, fsdp), circular
+# repeats, and Mixtral's experts across stages.
+SLOW_CASES = (
+  "deepseek (dense stack, then MoE layers in 2 stages)",
+  "4 stages x 2 layers, unrolled layers, fsdp 2",
+  "4 of 8 layers in 4 stages, tensor 2, remat minimal",
+)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CASES else []) for n in CASES])
 def test_loss_and_gradients_equal_the_model_without_pipeline(name):
   one = config(*_model_keys(CASES[name]), "per_device_batch_size=8")
   cfg = config(*CASES[name], "per_device_batch_size=1", num_devices=8)
@@ -79,6 +88,7 @@ def test_loss_and_gradients_equal_the_model_without_pipeline(name):
   assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol=1e-6, grad_atol=1e-5)
 
 
+@pytest.mark.slow  # Trains whole models four times; the loss and gradient equalities above are its fast siblings.
 def test_training_resumes_across_pipeline_layouts(tmp_path, capsys):
   """4 steps saved with 4 stages (2 gradient-accumulation micro-batches), 2 more resumed without a pipeline, 2
   more with 2 stages x 2 repeats: the losses of 8 uninterrupted steps without one."""

@@ -36,7 +36,8 @@ def single_device_losses():
   return _losses(cfg, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+# The ring (context parallelism's collective-permute) is slow-marked: context_parallel_test's ring case is its sibling.
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=[pytest.mark.slow] if "ring" in m else []) for m in MESHES])
 def test_losses_do_not_depend_on_the_mesh(mesh, single_device_losses):
   """Three steps of the tiny float32 model: the same global batch gives the same losses (rel 1e-5)."""
   cfg = config(*COMMON, *MESHES[mesh], "per_device_batch_size=1", num_devices=8)

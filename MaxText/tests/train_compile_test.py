@@ -295,7 +295,7 @@ def test_a_fingerprint_leaves_out_keys_that_do_not_shape_the_step():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("megablox", ["true", "false"])
+@pytest.mark.parametrize("megablox", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_a_tiny_mixture_of_experts_compiles_with_expert_parallelism(megablox):
   """4 experts over ici_expert_parallelism=4: the dropless rows travel by all-to-all, and the grouped matmuls are
   the Pallas megablox kernels (gmm, tgmm: named in the compiled HLO) with megablox=true, XLA's ragged dot without."""
@@ -308,6 +308,7 @@ def test_a_tiny_mixture_of_experts_compiles_with_expert_parallelism(megablox):
   assert bool(re.search(r"\bt?gmm\b", compiled.as_text())) == (megablox == "true")
 
 
+@pytest.mark.slow  # 20 s; the tiny mixture of experts' compiles are its fast siblings.
 @needs_libtpu
 def test_a_small_deepseek_compiles_with_splash_attention_megablox_and_expert_parallelism():
   """DeepSeek-V3's shapes per head (192-wide query and key, 128-wide values: padded to one head_dim for the

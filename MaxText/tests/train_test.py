@@ -331,6 +331,7 @@ def test_cli_entry_points(tmp_path):
   assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_relative_base_output_directory_checkpoints_where_it_says(tmp_path):
   """NVIDIA's base_output_directory=local_train: resolved against the working directory, the run saves there
   (Orbax refused the relative path at the first save before)."""
