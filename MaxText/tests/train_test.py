@@ -583,6 +583,7 @@ def _text_data(tmp_path) -> tuple[str, ...]:
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.slow  # Its fast sibling: data that runs out takes the same save-and-stop path (below).
 def test_sigterm_while_waiting_for_data_saves_and_the_rerun_resumes_exactly(tmp_path, capsys, monkeypatch):
   """A wait for data that never ends is cut short by SIGTERM: the steps done are saved with the data position
   from before the wait, exit 1 with one line; the same command then resumes with the uninterrupted losses."""
