@@ -317,18 +317,20 @@ def test_synthetic_batches_depend_only_on_seed_and_step():
 
 @pytest.mark.slow
 def test_cli_entry_points(tmp_path):
-  """`python3 MaxText/train.py` and `python3 -m MaxText.train` both run."""
+  """`python3 MaxText/train.py` and `python3 -m MaxText.train` both run, and train alike: the same losses."""
   rc, out, err = _run_cli(tmp_path, "run_name=s", "steps=2", "enable_checkpointing=false")
   assert rc == 0 and "completed step: 1" in out, err
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   module_args = [
     "-m",
     "MaxText.train",
     BASE_YML,
-    *overrides_of("run_name=m", "steps=1", f"base_output_directory={tmp_path}"),
+    *overrides_of("run_name=m", "steps=2", f"base_output_directory={tmp_path}", "enable_checkpointing=false"),
   ]
   proc = run([sys.executable, *module_args], env)
-  assert proc.returncode == 0 and "completed step: 0" in proc.stdout, proc.stderr
+  assert proc.returncode == 0 and "completed step: 1" in proc.stdout, proc.stderr
+  losses = [re.findall(r"completed step: (\d+),.* loss: ([\d.]+)", text) for text in (out, proc.stdout)]
+  assert len(losses[0]) == 2 and losses[0] == losses[1], losses
 
 
 @pytest.mark.slow
