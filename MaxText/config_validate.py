@@ -34,11 +34,6 @@ from MaxText.layers import attention_kernels, context_parallel, embeddings, line
 HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 
-def attention_type_of(family: families.Family) -> str:
-  """The attention_type a family runs: MaxText's key, which the family's decoder layer owns."""
-  return family.layer.attention_type
-
-
 def choices() -> dict[str, Collection[str]]:
   """Each key with a fixed set of values -> those values, read from the module that owns them (at call time, so
   a family registered after import counts)."""
@@ -55,7 +50,7 @@ def choices() -> dict[str, Collection[str]]:
     "dataset_type": input_pipeline.DATASET_TYPES,
     "profiler": metrics.PROFILERS,
     "decode_sampling_strategy": sampling.STRATEGIES,
-    "attention_type": sorted({attention_type_of(family) for family in families.FAMILIES.values()}),
+    "attention_type": sorted({family.layer.attention_type for family in families.FAMILIES.values()}),
     "opt_type": optimizers.OPTIMIZERS,
     "lr_schedule_type": optimizers.SCHEDULES,
     "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
@@ -280,10 +275,10 @@ def _check_layers(values: Mapping) -> None:
   many dense layers come before its MoE layers."""
   block = values["decoder_block"]
   family = families.get(block)
-  if values["attention_type"] != attention_type_of(family):
+  if values["attention_type"] != family.layer.attention_type:
     raise ConfigError(
       f"attention_type={shown(values['attention_type'])}: decoder_block={block} needs "
-      f"attention_type={attention_type_of(family)!r}"
+      f"attention_type={family.layer.attention_type!r}"
     )
   first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
   if first and family.dense_layer is None:

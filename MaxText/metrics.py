@@ -138,16 +138,17 @@ def peak_memory_bytes() -> tuple[int, str]:
 class StepClock:
   """Seconds per step between logged steps, and the throughput figures of one device derived from them.
 
-  The first lap, the run's first step, also gives the time to first step: from `process_start`, so start-up,
-  restore and compilation are included; the steps after it are the step times.
+  The first lap, the run's first step, also gives the time to first step: from `started` (when train.main or
+  train.train was called; Python's and JAX's own import time is not the run's), so start-up, restore and
+  compilation are included; the steps after it are the step times.
   """
 
-  def __init__(self, config: Config, device_kind: str, first_step: int, process_start: float):
+  def __init__(self, config: Config, device_kind: str, first_step: int, started: float):
     self.flops = training_flops_per_device(config)
     self.peak = peak_tflops(device_kind, config.cpu_peak_tflops)
     sequences = 2 if config.use_dpo else 1  # DPO's rows hold a chosen and a rejected sequence
     self.tokens_per_device = sequences * config.global_batch_size * config.max_target_length / config.num_devices
-    self.process_start = process_start
+    self.started = started
     self.last_time, self.last_step = time.time(), first_step
     self.time_to_first_step: float | None = None
     self.step_times: list[float] = []  # one entry per step after the first
@@ -157,7 +158,7 @@ class StepClock:
     now = time.time()
     step_time = (now - self.last_time) / (completed - self.last_step)
     if self.time_to_first_step is None:  # The first lap is the first step alone (train.py always logs it).
-      self.time_to_first_step = now - self.process_start
+      self.time_to_first_step = now - self.started
     else:
       self.step_times.extend([step_time] * (completed - self.last_step))
     self.last_time, self.last_step = now, completed
@@ -175,15 +176,16 @@ class StepClock:
 
 
 class Goodput:
-  """Where a run's wall time went, from the process's start: start-up and compilation (until the loop starts), the
-  loop's waits for data, checkpoint saves that blocked it, evaluation, and the rest of the loop (training steps,
-  logging included). Work lost to a restart is read from the metrics file: the steps an earlier run of the same
-  metrics file logged at or after the checkpoint this run resumed from, which it trains again."""
+  """Where a run's wall time went, from its start (`started`: when train.main or train.train was called): start-up
+  and compilation (until the loop starts), the loop's waits for data, checkpoint saves that blocked it, evaluation,
+  and the rest of the loop (training steps, logging included). Work lost to a restart is read from the metrics file:
+  the steps an earlier run of the same metrics file logged at or after the checkpoint this run resumed from, which
+  it trains again."""
 
   WAITS = ("data", "checkpoint", "evaluation")
 
-  def __init__(self, process_start: float):
-    self.process_start = process_start
+  def __init__(self, started: float):
+    self.started = started
     self.loop_start = time.time()
     self.waits = dict.fromkeys(self.WAITS, 0.0)
     self.recomputed_steps, self.recomputed_seconds = 0, 0.0
@@ -214,8 +216,8 @@ class Goodput:
 
   def report(self) -> dict[str, float]:
     now = time.time()
-    total = now - self.process_start
-    startup = self.loop_start - self.process_start
+    total = now - self.started
+    startup = self.loop_start - self.started
     steps = now - self.loop_start - sum(self.waits.values())
     return {
       "goodput/wall_seconds": total,

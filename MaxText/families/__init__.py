@@ -68,11 +68,6 @@ class Family:
     return self.layer.moe
 
   @property
-  def mla(self) -> bool:
-    """Its attention is multi-head latent attention (attention_type=mla)."""
-    return self.layer.attention_type == "mla"
-
-  @property
   def dense_layer(self) -> type[nn.Module] | None:
     """The layer of the first first_num_dense_layers layers (DeepSeek's dense ones); None: every layer is `layer`."""
     return self.layer.dense_layer
@@ -143,9 +138,10 @@ def hf_mapping(config: Config) -> hf_families.HFMapping:
 def presets(name: str) -> list[str]:
   """The presets in configs/models/ whose decoder_block is the family `name`, sorted."""
   found = []
-  for file in sorted(os.listdir(MODELS_DIR)):
-    text = open(os.path.join(MODELS_DIR, file), encoding="utf-8").read()
-    if file.endswith(".yml") and re.search(rf"^decoder_block:\s*[\"']?{re.escape(name)}[\"']?\s*(#|$)", text, re.M):
+  for file in sorted(f for f in os.listdir(MODELS_DIR) if f.endswith(".yml")):
+    with open(os.path.join(MODELS_DIR, file), encoding="utf-8") as f:
+      text = f.read()
+    if re.search(rf"^decoder_block:\s*[\"']?{re.escape(name)}[\"']?\s*(#|$)", text, re.M):
       found.append(file.removesuffix(".yml"))
   return found
 

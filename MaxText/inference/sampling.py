@@ -22,6 +22,11 @@ class Sampling:
   top_k: int = 40
   nucleus_p: float = 0.9
 
+  def __post_init__(self):
+    # A config's strategy was checked by pyconfig; one built in code with another name would sample as "weighted".
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+
   @classmethod
   def from_config(cls, config: Config) -> "Sampling":
     sampling = cls(

@@ -107,17 +107,16 @@ def test_an_unknown_family_is_refused_naming_the_registered_ones():
 
 def test_every_family_has_its_own_hugging_face_model_type():
   with_hf = [f for f in families.FAMILIES.values() if f.hf is not None]
-  assert len({f.hf.model_type for f in with_hf}) == len(with_hf) == len(_family_modules())
+  assert len({f.hf.model_type for f in with_hf}) == len(with_hf)
   for family in with_hf:
     assert families.for_hf_config({"model_type": family.hf.model_type}) is family
 
 
-def test_readme_table_rows_are_the_registry_s():
-  """The families table in README.md is summary_table()'s: every row it shows is the registered family's row."""
+def test_readme_table_is_the_registry_s():
+  """The families table in README.md is summary_table()'s output, whole: a registered family missing from it, or a
+  row that is not the registry's, fails (README's "Adding a model family" says to paste the new row)."""
   readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
-  rows = families.summary_table().splitlines()[2:]
-  shown = [line for line in readme.splitlines() if line.startswith("| `") and line.split("`")[1] in families.FAMILIES]
-  assert shown and all(line in rows for line in shown), sorted(set(shown) - set(rows))
+  assert families.summary_table() in readme
 
 
 def test_a_new_family_trains_and_converts_to_and_from_hugging_face(toy, tmp_path):

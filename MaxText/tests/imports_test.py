@@ -130,3 +130,21 @@ def test_layers_know_nothing_of_families_or_conversion():
   above = {"MaxText.pyconfig", "MaxText.state", "MaxText.checkpointing", "MaxText.cli", *_entry_points(_modules())}
   for module in family_modules:
     assert not _reachable(graph, module) & above, f"{module} reaches {_reachable(graph, module) & above}"
+
+
+def test_the_order_readme_gives():
+  """README's Architecture: the owners of valid values -> pyconfig -> state, checkpointing, inference.decoding ->
+  cli -> step -> the scripts; none of them reaches a module after it."""
+  graph = _graph()
+  order = [
+    {"MaxText.optimizers", "MaxText.metrics", "MaxText.lora", "MaxText.input_pipeline", "MaxText.inference.sampling"},
+    {"MaxText.pyconfig"},
+    {"MaxText.state", "MaxText.checkpointing", "MaxText.inference.decoding"},
+    {"MaxText.cli"},
+    {"MaxText.step"},
+  ]
+  for i, tier in enumerate(order):
+    later = set().union(*order[i + 1 :])
+    for name in tier:
+      assert not _reachable(graph, name) & later, f"{name} reaches {sorted(_reachable(graph, name) & later)}"
+  assert {"MaxText.pyconfig"} <= _reachable(graph, "MaxText.step") and "MaxText.cli" in _reachable(graph, "MaxText.step")

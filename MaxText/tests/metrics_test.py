@@ -92,7 +92,7 @@ def test_step_clock_splits_time_to_first_step_from_step_times(monkeypatch):
   add k step times of lap / k each; time paused for an evaluation counts nowhere."""
   now = iter([100.0, 103.0, 107.0, 150.0, 160.0])  # construction, lap 1, lap 2, pause, lap 3
   monkeypatch.setattr(metrics.time, "time", lambda: next(now))
-  clock = metrics.StepClock(config(), "cpu", first_step=0, process_start=90.0)
+  clock = metrics.StepClock(config(), "cpu", first_step=0, started=90.0)
   assert clock.lap(1)["perf/step_time_seconds"] == 3.0 and clock.time_to_first_step == 13.0
   assert clock.lap(3)["perf/step_time_seconds"] == 2.0  # 4 s over steps 2 and 3
   clock.pause_until_now()

@@ -316,7 +316,9 @@ def test_dropout_zeroes_its_rate_of_activations_and_scales_the_rest_by_one_over_
   bound = 5 * np.sqrt(p * (1 - p) / draws)  # 0.051 for the 2048 draws of the tiny model
   assert abs(zeroed / draws - p) <= bound, (zeroed / draws, p, bound)
 
-  for x, y in _dropout_inputs_and_outputs(cfg, batch_size=16, deterministic=True):
+  calls = _dropout_inputs_and_outputs(cfg, batch_size=16, deterministic=True)
+  assert len(calls) == 2
+  for x, y in calls:
     np.testing.assert_array_equal(y, x)
 
 
