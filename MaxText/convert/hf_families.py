@@ -74,6 +74,11 @@ def linear(hf: str, ours: str, out_shape: tuple[int, ...], adapter: bool = True)
   )
 
 
+def bias(hf: str, ours: str, out_shape: tuple[int, ...]) -> Group:
+  """torch Linear bias b [prod(out_shape)] <-> our bias [*out_shape] (a projection's, with heads split out)."""
+  return Group((hf,), (ours,), lambda b: (b.reshape(out_shape),), lambda b: (b.reshape(-1),))
+
+
 def linear_in(hf: str, ours: str, in_shape: tuple[int, ...]) -> Group:
   """torch Linear W [out, prod(in_shape)] <-> our kernel [*in_shape, out] (the attention output)."""
 
@@ -311,7 +316,16 @@ def experts_mlp(module: str, gate: str, up: str, down: str) -> Callable[[Config,
   return groups
 
 
-def llama_like(
+def qkv_biases(p: str, heads: int, kv_heads: int, head_dim: int) -> list[Group]:
+  """The query, key and value projections' biases under layer prefix p."""
+  return [
+    bias(p + "self_attn.q_proj.bias", "self_attention.query.bias", (heads, head_dim)),
+    bias(p + "self_attn.k_proj.bias", "self_attention.key.bias", (kv_heads, head_dim)),
+    bias(p + "self_attn.v_proj.bias", "self_attention.value.bias", (kv_heads, head_dim)),
+  ]
+
+
+def llama_like(  # noqa: PLR0913 (keyword-only family options, each defaulted and named at the call)
   model_type: str,
   architecture: str,
   *,
@@ -321,13 +335,15 @@ def llama_like(
   read: Callable[[Mapping, dict], dict] = lambda hf, keys: {},
   write: Callable[[Config], dict] = lambda cfg: {},
   mlp: Callable[[Config, str], list[Group]] = dense_mlp,
+  qkv_bias: bool = False,
 ) -> HFMapping:
   """The mapping of a family with Llama's tensor names and config.json keys.
 
   gelu: the MLP is GeGLU (hidden_act gelu_pytorch_tanh) rather than SwiGLU. tied_by_default: a config.json without
   tie_word_embeddings ties the output head (Gemma). norms: the per-layer norm scales, Llama's unless the family
   has others. read(hf, keys) and write(cfg): the family's own config.json keys, beyond Llama's. mlp(cfg, prefix):
-  the per-layer MLP tensors (Llama's dense one, or experts_mlp's).
+  the per-layer MLP tensors (Llama's dense one, or experts_mlp's). qkv_bias: q_proj, k_proj and v_proj carry biases
+  (Qwen 2, whose config.json has no key for them; the layer's `qkv_bias` trait).
   """
 
   def read_config(hf: Mapping) -> dict:
@@ -366,7 +382,7 @@ def llama_like(
       **write_rope(cfg),
       "tie_word_embeddings": cfg.logits_via_embedding,
       "max_position_embeddings": max(cfg.max_target_length, cfg.rope_original_max_position),
-      "attention_bias": False,
+      **({} if qkv_bias else {"attention_bias": False}),  # Qwen 2's config.json has no such key: its biases are fixed
       **act,
       **write(cfg),
     }
@@ -384,6 +400,7 @@ def llama_like(
       linear(p + "self_attn.k_proj.weight", "self_attention.key.kernel", (kv, hd)),
       linear(p + "self_attn.v_proj.weight", "self_attention.value.kernel", (kv, hd)),
       linear_in(p + "self_attn.o_proj.weight", "self_attention.out.kernel", (heads, hd)),
+      *(qkv_biases(p, heads, kv, hd) if qkv_bias else []),
       *mlp(cfg, p),
       *other_norms,
     ]

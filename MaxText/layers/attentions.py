@@ -50,8 +50,9 @@ class Attention(nn.Module):
   (keys, values) [batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len] and the slots'
   `cache_positions`, and kv is the new token's (keys, values), which the caller writes into the cache.
 
-  Family options: use_bias (GPT), use_rope (all but GPT, which has learned positions), use_qk_norm (Qwen 3:
-  RMSNorm of each query and key head before RoPE), and from the config query_pre_attn_scalar (Gemma 2:
+  Family options: use_bias (GPT), use_qkv_bias (Qwen 2: biases on the query, key and value projections only),
+  use_rope (all but GPT, which has learned positions), use_qk_norm (Qwen 3: RMSNorm of each query and key head
+  before RoPE), and from the config query_pre_attn_scalar (Gemma 2:
   queries scaled by its inverse square root instead of head_dim's), attn_logits_soft_cap (Gemma 2), and
   `sliding_window` (Mistral, Gemma 2's local layers), a call argument because it may differ by layer.
   """
@@ -60,6 +61,7 @@ class Attention(nn.Module):
   mesh: jax.sharding.Mesh | None = None
   model_mode: str = ct.MODEL_MODE_TRAIN
   use_bias: bool = False
+  use_qkv_bias: bool = False
   use_rope: bool = True
   use_qk_norm: bool = False
 
@@ -76,7 +78,7 @@ class Attention(nn.Module):
   ):
     cfg = self.config
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    bias = self.use_bias
+    bias = self.use_bias or self.use_qkv_bias
     projections = [
       DenseGeneral((heads, head_dim), (ct.EMBED, ct.HEADS, ct.HEAD_DIM), cfg, use_bias=bias, adapter=True, name="query"),
       DenseGeneral((kv_heads, head_dim), (ct.EMBED, ct.KV_HEADS, ct.HEAD_DIM), cfg, use_bias=bias, adapter=True, name="key"),
@@ -109,7 +111,7 @@ class Attention(nn.Module):
     out = sharding.constrain(out, (ct.BATCH, ct.LENGTH, ct.ACT_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     out = checkpoint_name(out, "context")  # What remat_policy=minimal_flash saves.
     out = DenseGeneral(
-      (cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=bias, adapter=True, name="out"
+      (cfg.emb_dim,), (ct.HEADS, ct.HEAD_DIM, ct.EMBED), cfg, num_in=2, use_bias=self.use_bias, adapter=True, name="out"
     )(out)
     kv = None if self.model_mode == ct.MODEL_MODE_TRAIN else (k, v)
     return checkpoint_name(out, "out_proj"), kv

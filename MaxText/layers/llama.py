@@ -1,8 +1,8 @@
 """The Llama 2/3 decoder layer (Touvron et al. 2023): pre-norm attention and SwiGLU MLP, residuals.
 
-Mistral, Gemma, Gemma 2, Qwen 3 and GPT-3 share its structure and subclass it (mistral.py, gemma.py, gemma2.py,
-qwen3.py, gpt3.py): they change the class attributes and the hooks below (norm, sliding_window, attention, mlp,
-and after_attention / after_mlp for Gemma 2's extra norms), never the call itself.
+Mistral, Gemma, Gemma 2, Qwen 2, Qwen 3 and GPT-3 share its structure and subclass it (mistral.py, gemma.py,
+gemma2.py, qwen2.py, qwen3.py, gpt3.py): they change the class attributes and the hooks below (norm,
+sliding_window, attention, mlp, and after_attention / after_mlp for Gemma 2's extra norms), never the call itself.
 
 The class also describes the layer to the code around the model, so that none of it names a family or an
 attention kind: its traits (moe, attention_type, dense_layer; pyconfig checks the config against them), the
@@ -71,6 +71,7 @@ class LlamaDecoderLayer(nn.Module):
   norm_scale_offset: ClassVar[float] = 0.0  # Gemma: RMSNorm weights are stored as an offset from 1.
   scale_embeddings: ClassVar[bool] = False  # Gemma: token embeddings are multiplied by sqrt(emb_dim).
   qk_norm: ClassVar[bool] = False  # Qwen 3: RMSNorm of each query and key head.
+  qkv_bias: ClassVar[bool] = False  # Qwen 2: biases on the query, key and value projections (not the output's).
   pre_mlp_norm_name: ClassVar[str] = "post_self_attention_layer_norm"  # Gemma 2: pre_ffw_norm.
   # What the config must say about the layer (pyconfig checks it), and where layers of another class come first.
   moe: ClassVar[bool] = False  # Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2.
@@ -116,7 +117,9 @@ class LlamaDecoderLayer(nn.Module):
     return 2 * config.emb_dim * config.num_experts + 2 * config.emb_dim * config.moe_mlp_dim * matmuls * active
 
   def attention(self) -> Attention:
-    return Attention(self.config, self.mesh, self.model_mode, use_qk_norm=self.qk_norm, name="self_attention")
+    return Attention(
+      self.config, self.mesh, self.model_mode, use_qk_norm=self.qk_norm, use_qkv_bias=self.qkv_bias, name="self_attention"
+    )
 
   def mlp(self) -> MlpBlock:
     return MlpBlock(self.config, self.mesh, name="mlp")
