@@ -268,10 +268,12 @@ def _report(error: Exception) -> None:
   print(f"error: {error_line(error)}", file=sys.stderr, flush=True)
   atexit.unregister(_quiet_exit)
   atexit.register(_quiet_exit)
-  # Python joins the threads still running (Orbax's writers) before it runs atexit's hooks: quiet them from there.
+  # Python joins the threads still running (Orbax's writers) before it runs atexit's hooks: quiet them from there
+  # (once per process: those hooks cannot be unregistered).
   register_at_thread_shutdown = getattr(threading, "_register_atexit", None)
-  if register_at_thread_shutdown is not None:
+  if register_at_thread_shutdown is not None and not getattr(_quiet_exit, "at_thread_shutdown", False):
     register_at_thread_shutdown(_quiet_exit)
+    _quiet_exit.at_thread_shutdown = True
 
 
 def run_cli(body, argv, writes_run_dir: bool = False, load=None) -> int:

@@ -282,6 +282,20 @@ def check_layer_types(hf: Mapping, expected: list[str], family: str) -> None:
     raise unsupported(f"layer_types={types} differ from {family}'s pattern; this variant is not supported")
 
 
+def read_full_attention(config_json: Mapping, keys: dict, family: str) -> dict:
+  """Qwen's config.json (Qwen 2 and 3) always names a sliding window; it applies only with use_sliding_window=true,
+  which the published checkpoints leave false: refused, as is a layer_types that is not full attention throughout."""
+  if config_json.get("use_sliding_window"):
+    raise unsupported(f"use_sliding_window=true is not supported for {family}")
+  check_layer_types(config_json, ["full_attention"] * keys["base_num_decoder_layers"], family)
+  return {}
+
+
+def write_full_attention(cfg: Config) -> dict:
+  """The config.json keys that say every layer attends to the whole sequence (read_full_attention's)."""
+  return {"use_sliding_window": False, "layer_types": ["full_attention"] * cfg.num_decoder_layers}
+
+
 # Llama's per-layer norms: (Hugging Face module, our module), each a `.weight` <-> `.scale`; the first is the one
 # before attention.
 LLAMA_NORMS = (

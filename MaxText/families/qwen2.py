@@ -3,7 +3,6 @@ windows."""
 
 from collections.abc import Mapping
 
-from MaxText.common_types import Config
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
@@ -11,16 +10,10 @@ from MaxText.layers.qwen2 import Qwen2DecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
-  """Qwen 2's config.json always names a sliding window; it applies only with use_sliding_window=true, which the
-  published checkpoints leave false."""
-  if config_json.get("use_sliding_window"):
-    raise hf_families.unsupported("use_sliding_window=true is not supported for qwen2")
-  hf_families.check_layer_types(config_json, ["full_attention"] * keys["base_num_decoder_layers"], "qwen2")
-  return {}
+  return hf_families.read_full_attention(config_json, keys, "qwen2")
 
 
-def write(cfg: Config) -> dict:
-  return {"use_sliding_window": False, "layer_types": ["full_attention"] * cfg.num_decoder_layers}
+write = hf_families.write_full_attention
 
 
 FAMILY = Family(

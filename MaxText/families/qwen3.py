@@ -2,7 +2,6 @@
 
 from collections.abc import Mapping
 
-from MaxText.common_types import Config
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
@@ -10,14 +9,10 @@ from MaxText.layers.qwen3 import Qwen3DecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
-  if config_json.get("use_sliding_window"):
-    raise hf_families.unsupported("use_sliding_window=true is not supported for qwen3")
-  hf_families.check_layer_types(config_json, ["full_attention"] * keys["base_num_decoder_layers"], "qwen3")
-  return {}
+  return hf_families.read_full_attention(config_json, keys, "qwen3")
 
 
-def write(cfg: Config) -> dict:
-  return {"use_sliding_window": False, "layer_types": ["full_attention"] * cfg.num_decoder_layers}
+write = hf_families.write_full_attention
 
 
 NORMS = hf_families.LLAMA_NORMS + (
