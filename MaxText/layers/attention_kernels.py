@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers.attention_blockwise import blockwise_attention
 from MaxText.layers.attention_cudnn import GPU_PLATFORMS, cudnn_attention, cudnn_unsupported_reason
-from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, soft_cap
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, sink_softmax, soft_cap
 from MaxText.layers.attention_splash import splash_attention, splash_block_sizes, splash_blocks
 
 __all__ = [
@@ -57,7 +57,8 @@ SHORT_SEQUENCE = 1024
 
 
 def dot_product_attention(q, k, v, segment_ids, positions, settings: AttentionSettings) -> jax.Array:
-  """softmax(q k^T + mask) v with grouped heads; the softmax runs in float32. Of `settings`: window, cap, precision.
+  """softmax(q k^T + mask) v with grouped heads; the softmax runs in float32. Of `settings`: window, chunk, sinks,
+  cap, precision.
 
   q: [batch, length, heads, head_dim] (already scaled); k, v: [batch, length, kv_heads, head_dim];
   returns [batch, length, heads, head_dim].
@@ -74,9 +75,10 @@ def dense_attention(q, k, v, queries: Tokens, keys: Tokens, settings: AttentionS
   q = q.reshape(b, t, kv, h // kv, d)
   precision = settings.precision
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
-  visible = queries.mask(keys, settings.window)[:, None, None]
+  visible = queries.mask(keys, settings.window, settings.chunk)[:, None, None]
   logits = jnp.where(visible, soft_cap(logits, settings.cap), MASK_VALUE)
-  weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  sinks = None if settings.sinks is None else settings.sinks.reshape(kv, h // kv)
+  weights = sink_softmax(logits, sinks).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=precision)
   return out.reshape(b, t, h, -1)
 

@@ -1,7 +1,8 @@
 """What every attention kernel shares: which keys a query sees, how logits are capped, and the settings of a call.
 
 A query sees a key when the key is not in its future (by index in the whole sequence), belongs to the same packed
-document (segment id) and, with a sliding window, lies less than `window` positions back. Masked logits get
+document (segment id), with a sliding window lies less than `window` positions back, and with chunked attention
+(Llama 4) lies in the same chunk of `chunk` positions (q_pos // chunk == k_pos // chunk). Masked logits get
 MASK_VALUE, large but finite, so that a row with no visible key is never NaN. Every kernel (attention_kernels.py)
 applies these rules, and `AttentionSettings` carries everything a call needs beyond its arrays.
 """
@@ -26,6 +27,10 @@ class AttentionSettings:
 
   window: sliding window, keys with q_pos - k_pos >= window are masked (<= 0: none); a python int, or a traced
     int32 scalar when the layers of one scan differ (Gemma 2 alternates local and global layers);
+  chunk: chunked attention, keys outside the query's chunk of `chunk` positions are masked (<= 0: none; Llama 4's
+    RoPE layers); a python int or a traced int32 scalar, as the window;
+  sinks: learned attention sinks, [heads] float32 logits, one per head, that join every query's softmax without a
+    value (gpt-oss): the weights of the real keys then sum to less than 1; None: no sinks;
   cap: logit soft cap, cap * tanh(logits / cap) (0: none; Gemma 2);
   precision: of the matmuls (softmax statistics are float32 regardless);
   block_q, block_kv: the tiles of blockwise attention (clipped to the length);
@@ -35,6 +40,8 @@ class AttentionSettings:
   """
 
   window: int | jax.Array = 0
+  chunk: int | jax.Array = 0
+  sinks: jax.Array | None = None
   cap: float = 0.0
   precision: jax.lax.Precision | None = None
   block_q: int = 512
@@ -59,15 +66,24 @@ class AttentionSettings:
     """Whether a window may apply; known before tracing (False only for a python window <= 0)."""
     return not (is_static(self.window) and self.window <= 0)
 
+  @property
+  def chunked(self) -> bool:
+    """Whether chunked attention may apply; known before tracing (False only for a python chunk <= 0)."""
+    return not (is_static(self.chunk) and self.chunk <= 0)
+
   def window_array(self) -> jax.Array | None:
     """The window as an int32 scalar for kernels that take it as data, None when there is none (so its masks are
     skipped at trace time)."""
     return jnp.asarray(self.window, jnp.int32) if self.windowed else None
 
+  def chunk_array(self) -> jax.Array | None:
+    """The chunk as an int32 scalar, as window_array."""
+    return jnp.asarray(self.chunk, jnp.int32) if self.chunked else None
+
   def static(self) -> "AttentionSettings":
-    """These settings without the window (it may be traced, and travels as data) and the config: the constants a
-    kernel's compiled parts (custom_vjp's non-differentiable arguments) are specialised on."""
-    return dataclasses.replace(self, window=0, config=None)
+    """These settings without the window, chunk and sinks (they may be traced, and travel as data) and the config:
+    the constants a kernel's compiled parts (custom_vjp's non-differentiable arguments) are specialised on."""
+    return dataclasses.replace(self, window=0, chunk=0, sinks=None, config=None)
 
 
 def is_static(window) -> bool:
@@ -85,24 +101,27 @@ class Tokens(NamedTuple):
   positions: jax.Array
   index: jax.Array
 
-  def mask(self, keys: "Tokens", window=0) -> jax.Array:
-    """[batch, q, k] bool: key visible to query (causal by index, same segment, within the window)."""
+  def mask(self, keys: "Tokens", window=0, chunk=0) -> jax.Array:
+    """[batch, q, k] bool: key visible to query (causal by index, same segment, within the window and chunk)."""
     mask = (self.index[:, None] >= keys.index[None, :])[None]
     mask = mask & (self.segment_ids[:, :, None] == keys.segment_ids[:, None, :])
-    return mask & within_window(self.positions[:, :, None], keys.positions[:, None, :], window)
+    q_pos, k_pos = self.positions[:, :, None], keys.positions[:, None, :]
+    return mask & within_window(q_pos, k_pos, window) & within_chunk(q_pos, k_pos, chunk)
 
 
 class Mask(NamedTuple):
-  """Which keys each query sees: the queries' and the keys' Tokens, and the window as an int32 scalar (None: no
-  window, known at trace time)."""
+  """Which keys each query sees: the queries' and the keys' Tokens, and the window and chunk as int32 scalars
+  (None: none, known at trace time)."""
 
   queries: Tokens
   keys: Tokens
   window: jax.Array | None = None
+  chunk: jax.Array | None = None
 
   def visible(self) -> jax.Array:
     """[batch, q, k] bool."""
-    return self.queries.mask(self.keys, 0 if self.window is None else self.window)
+    window, chunk = (0 if x is None else x for x in (self.window, self.chunk))
+    return self.queries.mask(self.keys, window, chunk)
 
 
 def within_window(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
@@ -111,6 +130,26 @@ def within_window(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
   if isinstance(window, int) and window <= 0:
     return jnp.asarray(True)
   return (jnp.asarray(window) <= 0) | (q_pos - k_pos < window)
+
+
+def within_chunk(q_pos: jax.Array, k_pos: jax.Array, chunk) -> jax.Array:
+  """Key positions in the query's chunk (q // chunk == k // chunk, Llama 4's chunked attention); all of them when
+  chunk <= 0. `chunk` may be traced."""
+  if isinstance(chunk, int) and chunk <= 0:
+    return jnp.asarray(True)
+  chunk = jnp.asarray(chunk)
+  size = jnp.maximum(chunk, 1)
+  return (chunk <= 0) | (q_pos // size == k_pos // size)
+
+
+def sink_softmax(logits: jax.Array, sinks: jax.Array | None) -> jax.Array:
+  """softmax over the last axis of `logits` [..., q, k] (float32) with one more logit per head, the head's sink,
+  whose weight is dropped (gpt-oss's attention sinks): exp(l) / (sum exp(l) + exp(sink)). `sinks` has the shape
+  of logits' head axes just before [q, k] ([heads], or [kv_heads, group] for grouped queries); None: plain softmax."""
+  if sinks is None:
+    return jax.nn.softmax(logits, axis=-1)
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32)[..., None, None], (*logits.shape[:-1], 1))
+  return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def soft_cap(logits: jax.Array, cap: float) -> jax.Array:

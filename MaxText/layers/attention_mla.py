@@ -76,8 +76,10 @@ class MLA(nn.Module):
   model_mode: str = ct.MODEL_MODE_TRAIN
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, sliding_window=0):
-    del cache_positions, sliding_window  # DeepSeek attends to the whole context.
+  def __call__(  # noqa: PLR0913 (Attention's call)
+    self, x, segment_ids, positions, cache=None, cache_mask=None, cache_positions=None, sliding_window=0, layer_index=0
+  ):
+    del cache_positions, sliding_window, layer_index  # DeepSeek attends to the whole context, alike in every layer.
     cfg = self.config
     heads, nope, rope, v_dim = cfg.num_query_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     rank = cfg.kv_lora_rank

@@ -9,7 +9,7 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers import context_parallel
-from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, soft_cap, within_window
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, sink_softmax, soft_cap, within_chunk, within_window
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale
 from MaxText.layers.linears import DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
@@ -20,9 +20,9 @@ def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, po
 
   q: [batch, 1, heads, head_dim] (scaled); k, v: [batch, 1, kv_heads, head_dim], the new token's;
   cache: (keys, values) [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots
-  holding this row's earlier tokens; settings: window, cap, precision; positions [batch, 1] and cache_positions
-  [batch, cache_len], the token positions, matter only for sliding-window attention. The cache is read in place
-  (the new token is not written into it here): one softmax over [cache slots, new token].
+  holding this row's earlier tokens; settings: window, chunk, sinks, cap, precision; positions [batch, 1] and
+  cache_positions [batch, cache_len], the token positions, matter only for sliding-window and chunked attention.
+  The cache is read in place (the new token is not written into it here): one softmax over [cache slots, new token].
   """
   cache_k, cache_v = cache
   precision, window, cap = settings.precision, settings.window, settings.cap
@@ -33,9 +33,11 @@ def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, po
   visible = cache_mask
   if positions is not None:
     visible = visible & within_window(positions, cache_positions, window)
+    visible = visible & within_chunk(positions, cache_positions, settings.chunk)
   past = jnp.where(visible[:, None, None, None, :], soft_cap(past, cap), MASK_VALUE)
   own = jnp.einsum("btkgd,btkd->bkgt", q, k, precision=precision, preferred_element_type=jnp.float32)[..., None]
-  weights = jax.nn.softmax(jnp.concatenate([past, soft_cap(own, cap)], axis=-1), axis=-1).astype(v.dtype)
+  sinks = None if settings.sinks is None else settings.sinks.reshape(kv, h // kv)
+  weights = sink_softmax(jnp.concatenate([past, soft_cap(own, cap)], axis=-1), sinks).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", weights[..., :-1], cache_v, precision=precision)
   out = out + jnp.einsum("bkgt,btkd->btkgd", weights[..., -1], v, precision=precision)
   return out.reshape(b, t, h, -1)
@@ -52,9 +54,13 @@ class Attention(nn.Module):
 
   Family options: use_bias (GPT), use_qkv_bias (Qwen 2: biases on the query, key and value projections only),
   use_rope (all but GPT, which has learned positions), use_qk_norm (Qwen 3: RMSNorm of each query and key head
-  before RoPE), and from the config query_pre_attn_scalar (Gemma 2:
-  queries scaled by its inverse square root instead of head_dim's), attn_logits_soft_cap (Gemma 2), and
-  `sliding_window` (Mistral, Gemma 2's local layers), a call argument because it may differ by layer.
+  before RoPE), use_sinks (gpt-oss: a learned sink logit per head, the parameter `sinks` [heads], see
+  attention_masks.sink_softmax), and from the config query_pre_attn_scalar (Gemma 2: queries scaled by its inverse
+  square root instead of head_dim's) and attn_logits_soft_cap (Gemma 2). `sliding_window` (Mistral, Gemma 2's
+  local layers) is a call argument because it may differ by layer, as may what the two hooks below decide from
+  `layer_index` (an int, or traced inside a scan): `rotate` (queries' and keys' norms and RoPE; Gemma 3's two RoPE
+  bases, Llama 4's NoPE layers override it) and `settings` (the kernel's window, chunk, sinks and cap; Llama 4's
+  chunked layers override it).
   """
 
   config: Config
@@ -64,6 +70,32 @@ class Attention(nn.Module):
   use_qkv_bias: bool = False
   use_rope: bool = True
   use_qk_norm: bool = False
+  use_sinks: bool = False
+
+  def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array, layer_index) -> tuple[jax.Array, jax.Array]:
+    """Queries and keys [batch, length, heads, head_dim] before scaling: each head RMS-normalised (use_qk_norm),
+    then rotated by RoPE (use_rope). A family whose layers differ here overrides it."""
+    del layer_index
+    cfg = self.config
+    if self.use_qk_norm:
+      q = RMSNorm(cfg, name="query_norm")(q)
+      k = RMSNorm(cfg, name="key_norm")(k)
+    if self.use_rope:
+      freq = rope_frequencies(cfg, cfg.head_dim)
+      scale = rope_scale(cfg)
+      q, k = apply_rope(q, positions, freq, scale), apply_rope(k, positions, freq, scale)
+    return q, k
+
+  def settings(self, sliding_window, layer_index) -> AttentionSettings:
+    """What the kernel computes in this layer: the window, the soft cap, the sinks (use_sinks) and the config's
+    precision and tiles. A family with chunked layers overrides it."""
+    del layer_index
+    cfg = self.config
+    sinks = None
+    if self.use_sinks:
+      init = nn.with_logical_partitioning(nn.initializers.zeros, (ct.HEADS,))
+      sinks = self.param("sinks", init, (cfg.num_query_heads,), jnp.float32)
+    return AttentionSettings.from_config(cfg, window=sliding_window, cap=cfg.attn_logits_soft_cap, sinks=sinks)
 
   @nn.compact
   def __call__(
@@ -75,6 +107,7 @@ class Attention(nn.Module):
     cache_mask=None,
     cache_positions=None,
     sliding_window=0,
+    layer_index=0,
   ):
     cfg = self.config
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
@@ -93,15 +126,9 @@ class Attention(nn.Module):
     k = sharding.constrain(k, (ct.BATCH, ct.LENGTH, ct.ACT_KV_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
     v = sharding.constrain(v, (ct.BATCH, ct.LENGTH, ct.ACT_KV_HEADS, ct.ACT_HEAD_DIM), self.mesh, cfg)
 
-    if self.use_qk_norm:
-      q = RMSNorm(cfg, name="query_norm")(q)
-      k = RMSNorm(cfg, name="key_norm")(k)
-    if self.use_rope:
-      freq = rope_frequencies(cfg, head_dim)
-      scale = rope_scale(cfg)
-      q, k = apply_rope(q, positions, freq, scale), apply_rope(k, positions, freq, scale)
+    q, k = self.rotate(q, k, positions, layer_index)
     q = q * jnp.asarray((cfg.query_pre_attn_scalar or head_dim) ** -0.5, q.dtype)
-    settings = AttentionSettings.from_config(cfg, window=sliding_window, cap=cfg.attn_logits_soft_cap)
+    settings = self.settings(sliding_window, layer_index)
     if self.model_mode == ct.MODEL_MODE_AUTOREGRESSIVE:
       cache = tuple(sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
       out = cached_attention(q, k, v, cache, cache_mask, settings, positions, cache_positions)

@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
 
     h = self.norm(cfg, "pre_self_attention_layer_norm")(x)
     window = self.sliding_window(cfg, layer_index)
-    h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions, window)
+    h, kv = self.attention()(h, segment_ids, positions, cache, cache_mask, cache_positions, window, layer_index)
     x = x + dropout(self.after_attention(h), deterministic=self.deterministic)
 
     h = self.norm(cfg, self.pre_mlp_norm_name)(x)
