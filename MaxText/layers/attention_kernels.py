@@ -2,24 +2,27 @@
 
 Every kernel computes the same function as `dot_product_attention`, the reference: softmax(q k^T + mask) v
 per head, q already scaled, causal, only within a packed document (same segment id), optionally within a
-sliding window and with soft-capped logits (attention_masks.py). They differ in where they run and in memory:
+sliding window or a chunk (Llama 4), with soft-capped logits and with attention sinks (gpt-oss; attention_masks.py).
+They differ in where they run and in memory:
 
 - `dot_product`: XLA einsums, here; the [length, length] scores exist in float32. Any platform, any feature.
 - `flash`: on TPU, Pallas splash attention (attention_splash.py); elsewhere blockwise attention, an online softmax
   over key blocks in plain JAX (attention_blockwise.py) whose backward recomputes the scores per block, so memory
   is O(length * block).
 - `cudnn_flash_jax`, `cudnn_flash_te`: cuDNN fused attention on NVIDIA GPUs (attention_cudnn.py); both names run
-  the same kernel. cuDNN lacks some features (soft cap, float32, traced windows); asking for them raises
+  the same kernel. cuDNN lacks some features (soft cap, float32, traced windows, sinks); asking for them raises
   `ValueError`, never a silent wrong answer.
 
-Every kernel takes q, k, v, the segment ids (and positions) it masks by, and one `AttentionSettings` (window, soft
-cap, precision, tiles, config). Importing this module does not load Pallas: splash imports it when it builds a kernel.
+Every kernel supports chunks (python or traced), and all but cuDNN sinks (with their gradient). Every kernel takes q,
+k, v, the segment ids (and positions) it masks by, and one `AttentionSettings` (window, chunk, sinks, soft cap,
+precision, tiles, config). Importing this module does not load Pallas: splash imports it when it builds a kernel.
 
 Sliding windows: the reference masks keys by positions (q_pos - k_pos >= window); splash, cuDNN and blockwise's
 skipping of whole key blocks go by token index. The two agree because a query only sees keys of its own document
 and positions are contiguous (0, 1, 2, ...) within a document, so there position and index differences are
-equal. Rows of padding (segment 0), whose positions may not be contiguous, may differ; they never reach other
-rows or the loss.
+equal. Chunks rest on the same fact: splash and cuDNN give each run of tokens in one document and one chunk its
+own segment id, and blockwise skips blocks `chunk` or more tokens back. Rows of padding (segment 0), whose
+positions may not be contiguous, may differ; they never reach other rows or the loss.
 """
 
 import jax
@@ -29,7 +32,7 @@ from MaxText.common_types import Config, ConfigError
 from MaxText.layers.attention_blockwise import blockwise_attention
 from MaxText.layers.attention_cudnn import GPU_PLATFORMS, cudnn_attention, cudnn_unsupported_reason
 from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, sink_softmax, soft_cap
-from MaxText.layers.attention_splash import splash_attention, splash_block_sizes, splash_blocks
+from MaxText.layers.attention_splash import splash_attention, splash_block_sizes, splash_blocks, splash_takes_sinks
 
 __all__ = [
   "KERNELS",
@@ -94,12 +97,13 @@ def platform_of(mesh) -> str:
   return jax.default_backend()
 
 
-def select(config: Config, length: int, platform: str, *, q_shape=None, dtype=None, window=0, cap=0.0) -> str:
+def select(config: Config, length: int, platform: str, *, q_shape=None, dtype=None, window=0, cap=0.0, sinks=None) -> str:
   """The concrete kernel that config.attention means for a sequence length on a platform ("cpu", "gpu"/"cuda",
-  "tpu"). autoselected: TPU -> flash (splash) whenever the length fits its blocks, else dot_product; CPU and GPU
-  -> dot_product below SHORT_SEQUENCE; GPU -> cudnn_flash_jax when cuDNN supports the call (q_shape
-  [batch, length, heads, head_dim], dtype, window, cap; unknown ones are taken as supported), else flash (blockwise);
-  CPU -> flash (blockwise). Any other value is returned as it is (ValueError if it is not in KERNELS)."""
+  "tpu"). autoselected: TPU -> flash (splash) whenever the length fits its blocks (and, with sinks, this jax's
+  splash takes them), else dot_product; CPU and GPU -> dot_product below SHORT_SEQUENCE; GPU -> cudnn_flash_jax
+  when cuDNN supports the call (q_shape [batch, length, heads, head_dim], dtype, window, cap, sinks; unknown ones
+  are taken as supported), else flash (blockwise); CPU -> flash (blockwise). Any other value is returned as it is
+  (ValueError if it is not in KERNELS). Chunks run on every kernel, so they do not enter the choice."""
   name = config.attention
   if name not in KERNELS:
     raise ConfigError(f"attention={name} is not one of {', '.join(KERNELS)}")
@@ -110,12 +114,12 @@ def select(config: Config, length: int, platform: str, *, q_shape=None, dtype=No
       splash_blocks(config, length)
     except ValueError:
       return "dot_product"
-    return "flash"
+    return "dot_product" if sinks is not None and not splash_takes_sinks() else "flash"
   if length < SHORT_SEQUENCE:
     return "dot_product"
   if platform in GPU_PLATFORMS:
     shape = q_shape if q_shape is not None else (1, length, 1, 128)
-    reason = cudnn_unsupported_reason(config, shape, dtype if dtype is not None else jnp.bfloat16, window, cap)
+    reason = cudnn_unsupported_reason(config, shape, dtype if dtype is not None else jnp.bfloat16, window, cap, sinks)
     return "flash" if reason else "cudnn_flash_jax"  # Blockwise where cuDNN cannot: memory stays linear.
   return "flash"
 
@@ -133,14 +137,13 @@ def _flash(q, k, v, segment_ids, positions, settings, mesh, name):
 
 
 def _cudnn(q, k, v, segment_ids, positions, settings, mesh, name):
-  del positions
   platform = platform_of(mesh)
-  reason = cudnn_unsupported_reason(settings.config, q.shape, q.dtype, settings.window, settings.cap)
+  reason = cudnn_unsupported_reason(settings.config, q.shape, q.dtype, settings.window, settings.cap, settings.sinks)
   if reason is None and platform not in GPU_PLATFORMS:
     reason = f"cuDNN fused attention runs on NVIDIA GPUs only, not on {platform}"
   if reason:
     raise ConfigError(f"attention={name}: {reason}; use attention=flash or attention=dot_product")
-  return cudnn_attention(q, k, v, segment_ids, settings)
+  return cudnn_attention(q, k, v, segment_ids, positions, settings)
 
 
 _DISPATCH = {"dot_product": _dot_product, "flash": _flash, "cudnn_flash_jax": _cudnn, "cudnn_flash_te": _cudnn}
@@ -151,8 +154,8 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=No
 
   q: [batch, length, heads, head_dim], already scaled; k, v: [batch, length, kv_heads, head_dim];
   segment_ids, positions: [batch, length] int32 (segment 0 = padding; positions restart at 0 in each document);
-  settings: window, cap and the rest (AttentionSettings.from_config gives a model's); mesh: where it runs (splash
-  shards over it). Returns [batch, length, heads, head_dim] in v.dtype.
+  settings: window, chunk, sinks, cap and the rest (AttentionSettings.from_config gives a model's); mesh: where it
+  runs (splash shards over it). Returns [batch, length, heads, head_dim] in v.dtype.
   """
   config = settings.config
   name = select(
@@ -163,5 +166,6 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=No
     dtype=q.dtype,
     window=settings.window,
     cap=settings.cap,
+    sinks=settings.sinks,
   )
   return _DISPATCH[name](q, k, v, segment_ids, positions, settings, mesh, name)

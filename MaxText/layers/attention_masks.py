@@ -142,6 +142,18 @@ def within_chunk(q_pos: jax.Array, k_pos: jax.Array, chunk) -> jax.Array:
   return (chunk <= 0) | (q_pos // size == k_pos // size)
 
 
+def chunk_segment_ids(segment_ids: jax.Array, positions: jax.Array, chunk) -> jax.Array:
+  """[batch, length] int32 ids, equal for two tokens exactly when they share a document and a chunk of `chunk`
+  positions (within_chunk): each run of tokens with one segment id and one chunk number gets its own id. For kernels
+  that mask by segment ids and token index only (splash, cuDNN), these ids make a causal mask chunked, exactly by
+  positions, with packed documents, and with a traced chunk. Positions ascend within a document, so two of its
+  tokens share a chunk when every token between them does. `chunk` <= 0: the runs are the documents."""
+  chunk = jnp.asarray(chunk)
+  number = jnp.where(chunk > 0, positions // jnp.maximum(chunk, 1), 0)
+  starts = (segment_ids[:, 1:] != segment_ids[:, :-1]) | (number[:, 1:] != number[:, :-1])
+  return jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), jnp.cumsum(starts, axis=1, dtype=segment_ids.dtype)], 1)
+
+
 def sink_softmax(logits: jax.Array, sinks: jax.Array | None) -> jax.Array:
   """softmax over the last axis of `logits` [..., q, k] (float32) with one more logit per head, the head's sink,
   whose weight is dropped (gpt-oss's attention sinks): exp(l) / (sum exp(l) + exp(sink)). `sinks` has the shape

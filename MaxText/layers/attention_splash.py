@@ -4,9 +4,18 @@ Pallas is imported only when a kernel is built (`splash_block_sizes`, `splash_at
 tiles (`splash_blocks`) and importing this module never load it. Splash masks by token index: a causal or a local
 (sliding-window) mask, with documents kept apart by segment ids. That equals the reference's masks by position
 because positions are contiguous within a document (see attention_kernels).
+
+Chunked attention (Llama 4) goes through the segment ids, not splash's ChunkedCausalMask: that mask cuts chunks by
+token index, which differs from the reference's chunks by position as soon as a packed document starts off a chunk
+boundary. Each run of tokens sharing a document and a chunk gets its own id (`attention_masks.chunk_segment_ids`),
+exact with packed documents and with a chunk traced inside the layer scan; a python chunk also bounds the local
+mask (a key in the query's chunk lies less than `chunk` tokens back), so blocks beyond it are skipped. Attention
+sinks (gpt-oss) are splash's own `sinks` input, with their gradient.
 """
 
 import dataclasses
+import functools
+import inspect
 import math
 
 import jax
@@ -17,7 +26,7 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers.attention_blockwise import blockwise_attention
-from MaxText.layers.attention_masks import AttentionSettings, is_static
+from MaxText.layers.attention_masks import AttentionSettings, chunk_segment_ids, is_static
 
 # Splash's blocks are tiled on 128 lanes: the length and every block size must be multiples of it.
 SPLASH_LANES = 128
@@ -61,9 +70,29 @@ def splash_block_sizes(config: Config, length: int):
   )
 
 
-def _splash_one_device(q, k, v, segment_ids, block_sizes, settings: AttentionSettings, window: int):
+@functools.cache
+def splash_takes_sinks() -> bool:
+  """Whether the installed jax's splash kernel has an attention-sinks input (jax 0.10.2's and 0.12's do)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+  return "sinks" in inspect.signature(splash.attention_reference).parameters
+
+
+SINKS_REFUSAL = (
+  "attention=flash (splash): this jax's splash kernel has no attention sinks (gpt-oss, Attention.use_sinks); use "
+  "attention=dot_product, or a jax whose splash takes sinks"
+)
+
+
+def _nearest(*bounds: int) -> int:
+  """The smallest positive of python ints (0: none is)."""
+  return min((x for x in bounds if x > 0), default=0)
+
+
+def _splash_one_device(q, k, v, segment_ids, sinks, block_sizes, settings: AttentionSettings, window: int):
   """Splash on one device's shard: q [batch, heads, length, head_dim], k, v [batch, kv_heads, length, head_dim],
-  segment_ids [batch, length]; `window` a python int (the settings' cap and interpret apply)."""
+  segment_ids [batch, length]; sinks [heads] float32 or None; `window` a python int (the settings' cap and interpret
+  apply)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
@@ -86,7 +115,9 @@ def _splash_one_device(q, k, v, segment_ids, block_sizes, settings: AttentionSet
   if mqa:
     k, v = k[:, 0], v[:, 0]
   ids = splash.SegmentIds(segment_ids, segment_ids)
-  return jax.vmap(kernel)(q, k, v, segment_ids=ids)
+  if sinks is None:
+    return jax.vmap(kernel)(q, k, v, ids)
+  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, sinks)
 
 
 def splash_attention(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=None) -> jax.Array:
@@ -97,34 +128,48 @@ def splash_attention(q, k, v, segment_ids, positions, settings: AttentionSetting
   count does not divide those axes, kv heads are repeated to one per query head). The length stays whole on each
   device. A traced window switches at run time between a causal kernel and a local one of window
   `config.sliding_window_size` (the only windows the model families use); any other value takes
-  `blockwise_attention`, so the answer is never wrong.
+  `blockwise_attention`, so the answer is never wrong. A chunk (python or traced) and the sinks apply to every
+  branch; ConfigError if sinks are asked of a splash that has none.
   """
   config = settings.config
   b, t, h, d = q.shape
   block_sizes = splash_block_sizes(config, t)
+  if settings.sinks is not None and not splash_takes_sinks():
+    raise ConfigError(SINKS_REFUSAL)
   static = is_static(settings.window)
   local_window = int(settings.window) if static else config.sliding_window_size
-  window = jnp.asarray(0 if static else settings.window, jnp.int32)
-  settings = dataclasses.replace(settings, window=0)  # the window travels as data (it may be traced)
+  static_chunk = int(settings.chunk) if is_static(settings.chunk) else 0
+  # The window, chunk (both may be traced) and sinks travel as data; the sinks split with the heads.
+  data = {
+    "window": jnp.asarray(0 if static else settings.window, jnp.int32),
+    "chunk": settings.chunk_array(),
+    "sinks": settings.sinks,
+  }
+  data = {name: x for name, x in data.items() if x is not None}
+  settings = settings.static()
 
-  def per_device(q, k, v, segment_ids, positions, window):
+  def per_device(q, k, v, segment_ids, positions, data):
     qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    window, chunk, sinks = (data.get(name) for name in ("window", "chunk", "sinks"))
+    ids = segment_ids if chunk is None else chunk_segment_ids(segment_ids, positions, chunk)
 
     def run(w):
-      return lambda: _splash_one_device(qt, kt, vt, segment_ids, block_sizes, settings, w).transpose(0, 2, 1, 3)
+      w = _nearest(w, static_chunk)
+      return lambda: _splash_one_device(qt, kt, vt, ids, sinks, block_sizes, settings, w).transpose(0, 2, 1, 3)
 
     if static:
       return run(local_window)()
 
     def fallback():
-      return blockwise_attention(q, k, v, segment_ids, positions, dataclasses.replace(settings, window=window))
+      local = dataclasses.replace(settings, window=window, chunk=0 if chunk is None else chunk, sinks=sinks)
+      return blockwise_attention(q, k, v, segment_ids, positions, local)
 
     branches = [run(0)] + ([run(local_window), fallback] if local_window > 0 else [fallback])
     index = jnp.where(window <= 0, 0, jnp.where(window == local_window, 1, len(branches) - 1))
     return jax.lax.switch(index, branches)
 
   if mesh is None:
-    return per_device(q, k, v, segment_ids, positions, window)
+    return per_device(q, k, v, segment_ids, positions, data)
 
   batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
   head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
@@ -135,16 +180,17 @@ def splash_attention(q, k, v, segment_ids, positions, settings: AttentionSetting
         f"axes {axes}; change the parallelism or use attention=dot_product"
       )
   k, v = kv_heads_local(k, v, h, mesh, config)
+  data_specs = {name: PartitionSpec(head_axes) if name == "sinks" else PartitionSpec() for name in data}
   qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
   ids_spec = PartitionSpec(batch_axes, None)
   sharded = jax.shard_map(
     per_device,
     mesh=mesh,
-    in_specs=(qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec, PartitionSpec()),
+    in_specs=(qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec, data_specs),
     out_specs=qkv_spec,
     check_vma=False,
   )
-  return sharded(q, k, v, segment_ids, positions, window)
+  return sharded(q, k, v, segment_ids, positions, data)
 
 
 def kv_heads_local(k, v, heads: int, mesh, config: Config):

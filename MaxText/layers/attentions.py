@@ -23,6 +23,8 @@ def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, po
   holding this row's earlier tokens; settings: window, chunk, sinks, cap, precision; positions [batch, 1] and
   cache_positions [batch, cache_len], the token positions, matter only for sliding-window and chunked attention.
   The cache is read in place (the new token is not written into it here): one softmax over [cache slots, new token].
+  Local (windowed, chunked) layers keep every slot too: the cache is one array stacked over the scanned layers, so
+  no layer can hold a shorter ring buffer (README, Attention kernels); the masks here keep the answer exact.
   """
   cache_k, cache_v = cache
   precision, window, cap = settings.precision, settings.window, settings.cap

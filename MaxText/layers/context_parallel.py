@@ -18,8 +18,10 @@ not be contiguous. With `context_parallel_load_balance` (training) the sequence 
 holds chunks r and 2n-1-r: under a causal mask every device then has the same work, where a contiguous split gives
 the last device about 2n-1 times the first one's. The Transformer reorders its inputs into that order on entry and its
 activations back before the output head (`reorder`), so logits, losses and everything outside it see the sequence
-in its natural order. Packed documents (segment ids) and sliding windows are exact: masks use the tokens' own
-segments, positions and indices.
+in its natural order. Packed documents (segment ids), sliding windows and chunked attention (Llama 4) are exact:
+masks use the tokens' own segments, positions and indices. Attention sinks (gpt-oss) join the softmax once per
+query: all_gather's kernel folds them in as on one device; the ring folds them into its merged result after the
+last piece, and their gradient, a sum over each device's queries, is summed over the devices by shard_map.
 """
 
 import dataclasses
@@ -35,7 +37,15 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import attention_kernels
-from MaxText.layers.attention_blockwise import Forward, blockwise_backward, blockwise_forward, blockwise_tokens
+from MaxText.layers.attention_blockwise import (
+  Forward,
+  blockwise_backward,
+  blockwise_forward,
+  blockwise_tokens,
+  by_row,
+  sink_grad,
+  with_sinks,
+)
 from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Mask, Tokens
 from MaxText.layers.attention_splash import kv_heads_local
 
@@ -159,7 +169,14 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, *, mesh
     return attention_kernels.attend(q, k, v, segment_ids, positions, settings, mesh)
   platform = attention_kernels.platform_of(mesh)
   kernel = attention_kernels.select(
-    config, q.shape[1], platform, q_shape=q.shape, dtype=q.dtype, window=settings.window, cap=settings.cap
+    config,
+    q.shape[1],
+    platform,
+    q_shape=q.shape,
+    dtype=q.dtype,
+    window=settings.window,
+    cap=settings.cap,
+    sinks=settings.sinks,
   )
   if kernel.startswith("cudnn") and config.attention == "autoselected":
     kernel = "flash"  # blockwise: cuDNN's kernel takes whole sequences
@@ -176,28 +193,32 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, *, mesh
       "chunks; change max_target_length"
     )
   k, v = kv_heads_local(k, v, h, mesh, config)
-  static = settings.static()  # the window, which may be traced, travels into shard_map as data
-
-  def per_device(q, k, v, segment_ids, positions, window=None):
-    if config.context_parallel_strategy == "ring":
-      return _ring(q, k, v, segment_ids, positions, window, split, static)
-    local = static if window is None else dataclasses.replace(static, window=window)
-    return _all_gather_attention(q, k, v, segment_ids, positions, local, split, dense=kernel == "dot_product")
-
+  static = settings.static()
+  # The window and chunk (which may be traced) and the sinks travel into shard_map as data; the sinks split with
+  # the heads.
   batch_axes = sharding.logical_to_mesh_spec((ct.BATCH,), config)[0]
   head_axes = sharding.logical_to_mesh_spec((ct.ACT_HEADS,), config)[0]
+  data = {"window": settings.window_array(), "chunk": settings.chunk_array(), "sinks": settings.sinks}
+  data = {name: x for name, x in data.items() if x is not None}
+  data_specs = {name: PartitionSpec(head_axes) if name == "sinks" else PartitionSpec() for name in data}
+
+  def per_device(q, k, v, segment_ids, positions, data):
+    if config.context_parallel_strategy == "ring":
+      window, chunk, sinks = (data.get(name) for name in ("window", "chunk", "sinks"))
+      return _ring(q, k, v, (segment_ids, positions), (window, chunk), sinks, split, static)
+    local = dataclasses.replace(static, **data)
+    return _all_gather_attention(q, k, v, segment_ids, positions, local, split, dense=kernel == "dot_product")
+
   qkv_spec = PartitionSpec(batch_axes, split.axes, head_axes, None)
   ids_spec = PartitionSpec(batch_axes, split.axes)
-  args, specs = (q, k, v, segment_ids, positions), (qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec)
-  if settings.windowed:
-    args, specs = (*args, settings.window_array()), (*specs, PartitionSpec())
+  specs = (qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec, data_specs)
   sharded = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=qkv_spec, check_vma=False)
-  return sharded(*args)
+  return sharded(q, k, v, segment_ids, positions, data)
 
 
 def _all_gather_attention(q, k, v, segment_ids, positions, settings: AttentionSettings, split: Split, dense: bool):
   """One device's queries against the keys and values gathered from all devices, put back in index order; the
-  settings' window is this device's (traced) copy."""
+  settings' window, chunk and sinks are this device's (traced) copies, its sinks those of its heads."""
   piece, n = q.shape[1], split.n
   queries = Tokens(segment_ids, positions, split.index(jax.lax.axis_index(split.axes), piece))
 
@@ -212,9 +233,12 @@ def _all_gather_attention(q, k, v, segment_ids, positions, settings: AttentionSe
   return blockwise_tokens(q, k, v, queries, keys, settings)
 
 
-def _ring_forward(q, k, v, segment_ids, positions, window, split: Split, settings: AttentionSettings) -> Forward:
-  """(out [batch, piece, heads, head_dim] float32, logsumexp) of this device's queries against every piece; window
-  an int32 scalar or None (no window)."""
+def _ring_forward(q, k, v, ids, limits, sinks, split: Split, settings: AttentionSettings) -> Forward:
+  """(out [batch, piece, heads, head_dim] float32, logsumexp) of this device's queries against every piece, the
+  sinks [local heads] (or None) folded in once at the end; ids: (segment_ids, positions); limits: (window, chunk),
+  each an int32 scalar or None (none)."""
+  segment_ids, positions = ids
+  window, chunk = limits
   axes, n = split.axes, split.n
   rank, piece = jax.lax.axis_index(axes), q.shape[1]
   queries = Tokens(segment_ids, positions, split.index(rank, piece))
@@ -227,40 +251,37 @@ def _ring_forward(q, k, v, segment_ids, positions, window, split: Split, setting
     following = tuple(_permute_in_turn(kv, axes, [ring] * 4))  # issued first: the transfer overlaps this step's compute
     k_s, v_s, seg_s, pos_s = kv
     keys = Tokens(seg_s, pos_s, split.index((rank - s) % n, piece))
-    out_s, lse_s = blockwise_forward(q, k_s, v_s, Mask(queries, keys, window), settings)
+    out_s, lse_s = blockwise_forward(q, k_s, v_s, Mask(queries, keys, window, chunk), settings)
     merged = jnp.logaddexp(lse, lse_s)
-    out = out * _by_row(jnp.exp(lse - merged), piece, h) + out_s * _by_row(jnp.exp(lse_s - merged), piece, h)
+    out = out * by_row(jnp.exp(lse - merged), piece) + out_s * by_row(jnp.exp(lse_s - merged), piece)
     return (out, merged, following), None
 
   block_q = min(settings.block_q, piece)
   lse = jnp.full((b, kv_heads, h // kv_heads, -(-piece // block_q) * block_q), MASK_VALUE, jnp.float32)
   init = (jnp.zeros((b, piece, h, d), jnp.float32), lse, (k, v, segment_ids, positions))
   (out, lse, _), _ = jax.lax.scan(step, init, jnp.arange(n))
-  return Forward(out, lse)
+  return with_sinks(Forward(out, lse), sinks)
 
 
-def _by_row(lse: jax.Array, piece: int, heads: int) -> jax.Array:
-  """[batch, kv_heads, groups, padded] -> [batch, piece, heads, 1], to scale outputs row by row."""
-  b = lse.shape[0]
-  return lse[..., :piece].transpose(0, 3, 1, 2).reshape(b, piece, heads, 1)
-
-
+# The window, chunk and sinks are arguments, not static: they may be traced, and one compiled ring serves every layer.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _ring(q, k, v, segment_ids, positions, window, split: Split, settings: AttentionSettings):
-  return _ring_forward(q, k, v, segment_ids, positions, window, split, settings).out.astype(v.dtype)
+def _ring(q, k, v, ids, limits, sinks, split: Split, settings: AttentionSettings):
+  return _ring_forward(q, k, v, ids, limits, sinks, split, settings).out.astype(v.dtype)
 
 
-def _ring_fwd(q, k, v, segment_ids, positions, window, split, settings):
-  forward = _ring_forward(q, k, v, segment_ids, positions, window, split, settings)
+def _ring_fwd(q, k, v, ids, limits, sinks, split, settings):
+  forward = _ring_forward(q, k, v, ids, limits, sinks, split, settings)
   out = forward.out.astype(v.dtype)
-  return out, (q, k, v, segment_ids, positions, window, Forward(out, forward.lse))
+  return out, (q, k, v, ids, limits, sinks, Forward(out, forward.lse))
 
 
 def _ring_bwd(split: Split, settings: AttentionSettings, residuals, d_out):
   """The keys and values go round the ring again, with float32 accumulators of their gradients; each step adds
-  FlashAttention-2's backward of this device's queries against the piece it holds (the global logsumexp makes
-  each share exact). After n steps every piece, and its gradient, is back home."""
-  q, k, v, segment_ids, positions, window, forward = residuals
+  FlashAttention-2's backward of this device's queries against the piece it holds (the global logsumexp, sinks
+  included, makes each share exact). After n steps every piece, and its gradient, is back home. The sinks'
+  gradient is this device's queries' share (shard_map sums it over the devices)."""
+  q, k, v, ids, limits, sinks, forward = residuals
+  (segment_ids, positions), (window, chunk) = ids, limits
   axes, n = split.axes, split.n
   rank, piece = jax.lax.axis_index(axes), q.shape[1]
   queries = Tokens(segment_ids, positions, split.index(rank, piece))
@@ -271,14 +292,16 @@ def _ring_bwd(split: Split, settings: AttentionSettings, residuals, d_out):
     following = tuple(_permute_in_turn(kv, axes, [ring] * 4))
     k_s, v_s, seg_s, pos_s = kv
     keys = Tokens(seg_s, pos_s, split.index((rank - s) % n, piece))
-    dq_s, dk_s, dv_s = blockwise_backward(q, k_s, v_s, Mask(queries, keys, window), settings, forward, d_out)
+    dq_s, dk_s, dv_s = blockwise_backward(q, k_s, v_s, Mask(queries, keys, window, chunk), settings, forward, d_out)
     dk, dv = _permute_in_turn([dk + dk_s, dv + dv_s], axes, [ring] * 2, after=following[-1])
     return (dq + dq_s, following, dk, dv), None
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   init = (jnp.zeros(q.shape, jnp.float32), (k, v, segment_ids, positions), zeros, zeros)
   (dq, _, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(n))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+  d_sinks = None if sinks is None else sink_grad(forward, d_out, sinks)
+  no_grad = jax.tree_util.tree_map(lambda _: None, (ids, limits))  # integers: no cotangent
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad, d_sinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

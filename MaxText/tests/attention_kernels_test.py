@@ -2,8 +2,9 @@
 
 Every comparison runs both sides on the same float32 inputs at HIGHEST matmul precision, over GQA, packed
 documents with padding, sliding windows (static and traced), soft caps and lengths that are not a multiple of the
-block. The gradient is that of sum(out * w) for a fixed random w, with respect to q, k and v. Splash runs in
-Pallas interpret mode; cuDNN's numerics need a GPU (skipped here), but its argument plumbing runs through
+block. The gradient is that of sum(out * w) for a fixed random w, with respect to q, k and v (and the sinks).
+Chunked attention and attention sinks are also checked against a float64 NumPy reference written out here. Splash
+runs in Pallas interpret mode; cuDNN's numerics need a GPU (skipped here), but its argument plumbing runs through
 `jax.nn.dot_product_attention`'s XLA path, and its refusals are checked on the CPU.
 """
 
@@ -17,7 +18,9 @@ import pytest
 import yaml
 from jax.sharding import Mesh
 
+from MaxText.common_types import ConfigError
 from MaxText.layers import attention_kernels as ak
+from MaxText.layers import attention_splash
 from MaxText.layers.attention_kernels import AttentionSettings
 from MaxText.tests.helpers import BASE_YML
 
@@ -191,6 +194,187 @@ def test_blockwise_memory_grows_linearly():
   assert dot_large > scores and dot_large - dot_small > 2048 * 512, (dot_small, dot_large)
 
 
+# ------------------------------------------------------------------------------------------- chunks and sinks
+# Against an independent float64 NumPy reference: the masks and the sink softmax written out here, and gradients by
+# central differences of it. Every kernel's chunk and sink test below compares with it or with dot_product, which
+# test_dot_product_matches_numpy checks against it.
+
+
+def _numpy_attention(q, k, v, seg, pos, sinks=None, **masks):
+  """float64 causal GQA attention: query i of head h sees key j <= i of its segment with pos_i - pos_j < window
+  (window > 0) and pos_i // chunk == pos_j // chunk (chunk > 0); logits soft-capped by cap (> 0); softmax over those
+  keys and, with sinks, one more logit sinks[h] that has no value (gpt-oss): exp(l_j) / (sum_j' exp(l_j') +
+  exp(sinks[h])). masks: window, chunk, cap (each 0 when absent)."""
+  window, chunk, cap = (masks.get(name, 0) for name in ("window", "chunk", "cap"))
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  seg, pos = np.asarray(seg), np.asarray(pos)
+  length, group = q.shape[1], q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # query head h reads kv head h // group
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k)
+  if cap > 0:
+    logits = cap * np.tanh(logits / cap)
+  index = np.arange(length)
+  visible = (index[:, None] >= index[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
+  if window > 0:
+    visible &= pos[:, :, None] - pos[:, None, :] < window
+  if chunk > 0:
+    visible &= pos[:, :, None] // chunk == pos[:, None, :] // chunk
+  logits = np.where(visible[:, None], logits, -np.inf)  # every query sees itself, so no row is empty
+  sink = np.full(q.shape[2], -np.inf) if sinks is None else np.asarray(sinks, np.float64)
+  top = np.maximum(logits.max(axis=-1), sink[None, :, None])
+  weights = np.exp(logits - top[..., None])
+  weights /= (weights.sum(axis=-1) + np.exp(sink[None, :, None] - top))[..., None]
+  return np.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def _numpy_directional_grads(loss, inputs, rng, eps=1e-5):
+  """{name: (u, d loss(x + t u) / dt at t=0)} for each float64 input and a random unit direction u, by central
+  differences (error ~eps^2 times the third derivative: far below float32's)."""
+  out = {}
+  for name, x in inputs.items():
+    u = rng.standard_normal(np.shape(x))
+    u /= np.linalg.norm(u)
+    plus = loss(**{**inputs, name: x + eps * u})
+    minus = loss(**{**inputs, name: x - eps * u})
+    out[name] = (u, (plus - minus) / (2 * eps))
+  return out
+
+
+def _out_and_all_grads(attention, q, k, v, sinks, w, *args):
+  """(attention(q, k, v, sinks, *args), d/d(q, k, v, sinks) of sum(out * w)), in one compiled function."""
+
+  def run(q, k, v, sinks, w, *args):
+    out, vjp = jax.vjp(lambda q, k, v, sinks: attention(q, k, v, sinks, *args), q, k, v, sinks)
+    return out, vjp(w.astype(out.dtype))
+
+  return jax.jit(run)(q, k, v, sinks, w, *args)
+
+
+def _assert_all_close(got, want, fwd_atol=FWD_ATOL, grad_atol=GRAD_ATOL):
+  np.testing.assert_allclose(got[0], want[0], atol=fwd_atol, rtol=0, err_msg="output")
+  for name, g, r in zip(("q", "k", "v", "sinks"), got[1], want[1], strict=True):
+    np.testing.assert_allclose(g, r, atol=grad_atol, rtol=0, err_msg=f"d{name}")
+
+
+def _sinks(heads):
+  """Sink logits around the logits' scale, so the sinks take a real share of each softmax (up to ~0.8 early on)."""
+  return jax.random.normal(jax.random.key(7), (heads,), jnp.float32) + 1.0
+
+
+def _settings_reference(window=0, chunk=0):
+  """dot_product with sinks as an argument: (q, k, v, sinks, seg, pos) -> out."""
+
+  def attention(q, k, v, sinks, seg, pos):
+    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, chunk, sinks, precision=HIGHEST))
+
+  return attention
+
+
+def _assert_matches_numpy(got, q, k, v, sinks, w, seg, pos, **masks):
+  """got = (out, (dq, dk, dv, dsinks)) of sum(out * w): out within FWD_ATOL of the float64 reference, and each
+  gradient's derivative along a random direction within 1e-5 relative to the gradient's norm (float32 sums over
+  ~1e3 terms of O(1), each rounded ~6e-8 relative: measured below 1e-6)."""
+  inputs = {name: np.asarray(x, np.float64) for name, x in zip(("q", "k", "v", "sinks"), (q, k, v, sinks), strict=True)}
+  np.testing.assert_allclose(got[0], _numpy_attention(**inputs, seg=seg, pos=pos, **masks), atol=FWD_ATOL, rtol=0)
+  w64 = np.asarray(w, np.float64)
+
+  def loss(**x):
+    return (_numpy_attention(**x, seg=seg, pos=pos, **masks) * w64).sum()
+
+  directional = _numpy_directional_grads(loss, inputs, np.random.default_rng(0))
+  for (name, (u, want)), grad in zip(directional.items(), got[1], strict=True):
+    along = (np.asarray(grad, np.float64) * u).sum()
+    assert abs(along - want) <= 1e-5 * np.linalg.norm(grad), (name, along, want)
+
+
+@pytest.mark.parametrize(
+  "window,chunk,sinks,cap",
+  [(0, 8, False, 0.0), (5, 8, True, 0.0), (0, 0, True, 3.0), (0, 6, True, 0.0)],
+)
+def test_dot_product_matches_numpy(window, chunk, sinks, cap):
+  """The reference itself (its chunk mask and sink softmax, the lead's) against the float64 NumPy one."""
+  q, k, v, _, seg, pos = _inputs(2, 37, 4, 2)
+  sink = _sinks(4) if sinks else None
+  settings = AttentionSettings(window, chunk, sink, cap, precision=HIGHEST)
+  got = ak.dot_product_attention(q, k, v, seg, pos, settings)
+  want = _numpy_attention(q, k, v, seg, pos, sink, window=window, chunk=chunk, cap=cap)
+  np.testing.assert_allclose(got, want, atol=FWD_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+  "heads,kv_heads,block_q,block_kv,window,chunk",
+  [
+    (4, 2, 4, 1, 0, 8),  # GQA, one key per block: a key block skipped one token too close would show
+    (6, 2, 8, 16, 5, 12),  # groups of 3, a window inside the chunk, chunks across blocks
+    (4, 1, 16, 16, 0, 0),  # MQA, sinks alone
+  ],
+)
+def test_blockwise_chunks_and_sinks_match_numpy(heads, kv_heads, block_q, block_kv, window, chunk):
+  """Length 37, two documents and padding in row 0 (so chunks restart inside the row), with sinks: output and the
+  gradients of q, k, v and the sinks against the float64 reference, and elementwise against dot_product's."""
+  q, k, v, w, seg, pos = _inputs(2, 37, heads, kv_heads)
+  sinks = _sinks(heads)
+
+  def blockwise(q, k, v, sinks, seg, pos):
+    settings = AttentionSettings(window, chunk, sinks, precision=HIGHEST, block_q=block_q, block_kv=block_kv)
+    return ak.blockwise_attention(q, k, v, seg, pos, settings)
+
+  got = _out_and_all_grads(blockwise, q, k, v, sinks, w, seg, pos)
+  _assert_matches_numpy(got, q, k, v, sinks, w, seg, pos, window=window, chunk=chunk)
+  _assert_all_close(got, _out_and_all_grads(_settings_reference(window, chunk), q, k, v, sinks, w, seg, pos))
+
+
+def test_blockwise_traced_chunk_and_sinks_in_scan():
+  """Llama 4's pattern (chunked layers and a global one in one scan, the chunk a traced scan input) with gpt-oss's
+  sinks, per layer: blockwise equals the reference, and the chunk and sinks mattered."""
+  q, k, v, w, seg, pos = _inputs(1, 48, 2, 1, docs=(30,))
+  sinks = jnp.stack([_sinks(2), -_sinks(2)])
+
+  def layers(attention, chunks):
+    def run(q, k, v, sinks, seg, pos):
+      def layer(x, chunk_and_sinks):
+        out = attention(x, k, v, seg, pos, *chunk_and_sinks)
+        return out, out
+
+      return jax.lax.scan(layer, q, (jnp.asarray(chunks, jnp.int32), sinks))[1].sum(0)
+
+    return run
+
+  def blockwise(q, k, v, seg, pos, chunk, sinks):
+    settings = AttentionSettings(chunk=chunk, sinks=sinks, precision=HIGHEST, block_q=16, block_kv=8)
+    return ak.blockwise_attention(q, k, v, seg, pos, settings)
+
+  def reference(q, k, v, seg, pos, chunk, sinks):
+    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(chunk=chunk, sinks=sinks, precision=HIGHEST))
+
+  want = _out_and_all_grads(layers(reference, [8, 0]), q, k, v, sinks, w, seg, pos)
+  _assert_all_close(_out_and_all_grads(layers(blockwise, [8, 0]), q, k, v, sinks, w, seg, pos), want)
+  unchunked = _out_and_all_grads(layers(reference, [0, 0]), q, k, v, sinks, w, seg, pos)
+  assert np.abs(np.asarray(want[0]) - unchunked[0]).max() > 1e-2
+  assert np.abs(np.asarray(want[1][3])).min() > 1e-3  # every sink has a gradient
+
+
+def test_decode_step_with_chunks_and_sinks_equals_the_full_forward():
+  """attentions.cached_attention (one new token against the cache) for a chunked layer with sinks gives the full
+  forward's last position, for every row (row 0 ends in padding, row 1 in one document)."""
+  from MaxText.layers.attentions import cached_attention
+
+  q, k, v, _, seg, pos = _inputs(2, 29, 4, 2, docs=(10, 12))
+  settings = AttentionSettings(window=0, chunk=8, sinks=_sinks(4), precision=HIGHEST)
+  full = jax.jit(lambda q, k, v, seg, pos: ak.dot_product_attention(q, k, v, seg, pos, settings))(q, k, v, seg, pos)
+  # The cache holds the earlier tokens of the last token's own document (cache_mask), as the decoder keeps them.
+  cache_mask = seg[:, :-1] == seg[:, -1:]
+
+  @jax.jit
+  def step(q, k, v, cache, cache_mask, pos, cache_pos):
+    return cached_attention(q, k, v, cache, cache_mask, settings, pos, cache_pos)
+
+  got = step(q[:, -1:], k[:, -1:], v[:, -1:], (k[:, :-1], v[:, :-1]), cache_mask, pos[:, -1:], pos[:, :-1])
+  np.testing.assert_allclose(got[:, 0], full[:, -1], atol=FWD_ATOL, rtol=0)
+  want = _numpy_attention(q, k, v, seg, pos, settings.sinks, chunk=8)[:, -1]
+  np.testing.assert_allclose(got[:, 0], want, atol=FWD_ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------- splash
 
 
@@ -229,6 +413,48 @@ def test_splash_traced_window_switches_kernels():
     np.testing.assert_allclose(got, want, atol=FWD_ATOL, rtol=0, err_msg=f"window={window}")
 
 
+@pytest.mark.parametrize(
+  "kv_heads,window,chunk,traced",
+  [
+    (2, 0, 48, False),  # GQA, a python chunk (also bounding the local mask), sinks
+    (1, 40, 64, True),  # MQA, a window inside a traced chunk
+  ],
+)
+def test_splash_chunks_and_sinks_match_dot_product(kv_heads, window, chunk, traced):
+  """Interpret mode, length 256, three documents and padding in row 0 (chunks restart inside the row, off splash's
+  blocks): output and the gradients of q, k, v and the sinks (splash's own sinks input) equal the reference's."""
+  cfg = _config(sliding_window_size=window)
+  q, k, v, w, seg, pos = _inputs(2, 256, 4, kv_heads, docs=(100, 30, 106))
+  sinks = _sinks(4)
+
+  def splash(q, k, v, sinks, seg, pos, chunk):
+    settings = AttentionSettings.from_config(cfg, window=window, chunk=chunk, sinks=sinks, interpret=True)
+    return ak.splash_attention(q, k, v, seg, pos, settings)
+
+  got = (
+    _out_and_all_grads(splash, q, k, v, sinks, w, seg, pos, jnp.int32(chunk))
+    if traced
+    else _out_and_all_grads(lambda *a: splash(*a, chunk), q, k, v, sinks, w, seg, pos)
+  )
+  _assert_all_close(got, _out_and_all_grads(_settings_reference(window, chunk), q, k, v, sinks, w, seg, pos))
+
+
+def test_splash_refuses_sinks_it_does_not_have(monkeypatch):
+  """With a jax whose splash has no sinks input: attention=flash refuses in one line, autoselected takes
+  dot_product on TPU."""
+  monkeypatch.setattr(ak, "splash_takes_sinks", lambda: False)
+  monkeypatch.setattr(attention_splash, "splash_takes_sinks", lambda: False)
+  cfg = _config(attention="flash")
+  q = jnp.zeros((1, 256, 2, 8))
+  ids = jnp.zeros((1, 256), jnp.int32)
+  settings = AttentionSettings.from_config(cfg, sinks=jnp.zeros(2), interpret=True)
+  with pytest.raises(ConfigError) as error:
+    ak.splash_attention(q, q, q, ids, ids, settings)
+  assert re.fullmatch(r"attention=flash \(splash\): .*no attention sinks.*; use attention=dot_product.*", str(error.value))
+  assert ak.select(_config(), 256, "tpu", sinks=settings.sinks) == "dot_product"
+  assert ak.select(_config(), 256, "tpu") == "flash"
+
+
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest simulates 8 CPU devices)")
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_splash_under_shard_map(kv_heads):
@@ -245,6 +471,24 @@ def test_splash_under_shard_map(kv_heads):
   _assert_close(_out_and_grads(splash, q, k, v, w, seg, pos), _out_and_grads(_reference(40), q, k, v, w, seg, pos))
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest simulates 8 CPU devices)")
+def test_splash_chunks_and_sinks_under_shard_map():
+  """As test_splash_under_shard_map, with a chunk (traced) and sinks: each device holds its heads' sinks, and their
+  gradient sums over the devices that split the batch."""
+  cfg = _config()
+  shape = [2 if axis in ("data", "tensor") else 1 for axis in cfg.mesh_axes]
+  mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(shape), cfg.mesh_axes)
+  q, k, v, w, seg, pos = _inputs(2, 256, 4, 2, docs=(100, 30, 106))
+  sinks = _sinks(4)
+
+  def splash(q, k, v, sinks, seg, pos, chunk):
+    settings = AttentionSettings.from_config(cfg, window=40, chunk=chunk, sinks=sinks, interpret=True)
+    return ak.splash_attention(q, k, v, seg, pos, settings, mesh)
+
+  got = _out_and_all_grads(splash, q, k, v, sinks, w, seg, pos, jnp.int32(64))
+  _assert_all_close(got, _out_and_all_grads(_settings_reference(40, 64), q, k, v, sinks, w, seg, pos))
+
+
 def test_splash_refuses_lengths_that_do_not_fit_its_blocks():
   with pytest.raises(ValueError, match=r"length 200 .*use attention=dot_product"):
     ak.splash_block_sizes(_config(), 200)
@@ -256,15 +500,16 @@ def test_splash_refuses_lengths_that_do_not_fit_its_blocks():
 # ----------------------------------------------------------------------------------------------------- cuDNN
 
 
-@pytest.mark.parametrize("window", [0, 7])
-def test_cudnn_call_through_xla(window):
+@pytest.mark.parametrize("window,chunk", [(0, 0), (7, 0), (5, 8)])
+def test_cudnn_call_through_xla(window, chunk):
   """The exact jax.nn.dot_product_attention call of the cuDNN path (document mask, causal flag, window, GQA,
-  scale 1), run by its XLA implementation: equal to the reference. Packed rows, so the mask matters."""
+  scale 1; chunks inside the document mask), run by its XLA implementation: equal to the float64 reference. Packed
+  rows, so the mask matters."""
   q, k, v, _, seg, pos = _inputs(2, 36, 4, 2)
-  settings = AttentionSettings(window)
-  got = jax.jit(lambda q, k, v, seg: ak.cudnn_attention(q, k, v, seg, settings, implementation="xla"))(q, k, v, seg)
-  want = jax.jit(_reference(window))(q, k, v, seg, pos)
-  np.testing.assert_allclose(got, want, atol=FWD_ATOL, rtol=0)
+  settings = AttentionSettings(window, chunk)
+  cudnn = jax.jit(lambda q, k, v, seg, pos: ak.cudnn_attention(q, k, v, seg, pos, settings, implementation="xla"))
+  want = _numpy_attention(q, k, v, seg, pos, window=window, chunk=chunk)
+  np.testing.assert_allclose(cudnn(q, k, v, seg, pos), want, atol=FWD_ATOL, rtol=0)
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="cuDNN fused attention needs an NVIDIA GPU")
@@ -274,7 +519,7 @@ def test_cudnn_matches_dot_product_on_gpu(window):
   q, k, v, w, seg, pos = _inputs(2, 256, 4, 2, head_dim=64, docs=(100, 30, 106), dtype=jnp.bfloat16)
   exact = _out_and_grads(_reference(window), *[x.astype(jnp.float32) for x in (q, k, v)], w, seg, pos)
   settings = AttentionSettings(window)
-  got = _out_and_grads(lambda q, k, v, seg, pos: ak.cudnn_attention(q, k, v, seg, settings), q, k, v, w, seg, pos)
+  got = _out_and_grads(lambda q, k, v, seg, pos: ak.cudnn_attention(q, k, v, seg, pos, settings), q, k, v, w, seg, pos)
   bf16 = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
   _assert_as_accurate(got, bf16, exact)
 
@@ -289,6 +534,7 @@ def test_cudnn_matches_dot_product_on_gpu(window):
     (jnp.bfloat16, 60, 256, 0, 0.0, r"head_dim .* not 60"),
     (jnp.bfloat16, 64, 255, 0, 0.0, r"even length, not 255"),
     (jnp.bfloat16, 64, 256, 0, 0.0, r"NVIDIA GPUs only, not on cpu"),
+    (jnp.bfloat16, 64, 256, 0, "sinks", r"no attention sinks \(gpt-oss's learned sink logit per head\)"),
   ],
 )
 @pytest.mark.parametrize("name", ["cudnn_flash_jax", "cudnn_flash_te"])
@@ -297,9 +543,10 @@ def test_cudnn_refuses_what_it_cannot_do(name, dtype, head_dim, length, window, 
   cfg = _config(attention=name)
   q = jnp.zeros((1, length, 2, head_dim), dtype)
   ids = jnp.zeros((1, length), jnp.int32)
+  features = {"sinks": jnp.zeros(2)} if cap == "sinks" else {"cap": cap}
 
   def call(window):
-    return ak.attend(q, q, q, ids, ids, AttentionSettings.from_config(cfg, window=window, cap=cap), mesh=None)
+    return ak.attend(q, q, q, ids, ids, AttentionSettings.from_config(cfg, window=window, **features), mesh=None)
 
   with pytest.raises(ValueError) as error:
     if window == "traced":
@@ -328,6 +575,9 @@ def test_select():
   assert ak.select(cfg, long, "cuda", **bf16, window=4096) == "cudnn_flash_jax"
   assert ak.select(cfg, long, "gpu", **bf16, cap=50.0) == "flash"
   assert ak.select(cfg, long, "gpu", q_shape=bf16["q_shape"], dtype=jnp.float32) == "flash"
+  sinks = jnp.zeros(8)
+  assert ak.select(cfg, long, "gpu", **bf16, sinks=sinks) == "flash"  # cuDNN has none: blockwise
+  assert ak.select(cfg, long, "tpu", sinks=sinks) == "flash"  # this jax's splash takes them
   for name in ak.KERNELS[1:]:
     assert ak.select(_config(attention=name), short, "cpu") == name  # explicit choices stand
   with pytest.raises(ValueError, match=r"attention=splash is not one of autoselected, dot_product"):

@@ -15,7 +15,16 @@ from MaxText.common_types import ConfigError
 from MaxText.layers import context_parallel as cp
 from MaxText.layers import models
 from MaxText.layers.attention_kernels import AttentionSettings
-from MaxText.tests.attention_kernels_test import _assert_close, _inputs, _out_and_grads, _reference
+from MaxText.tests.attention_kernels_test import (
+  _assert_all_close,
+  _assert_close,
+  _inputs,
+  _out_and_all_grads,
+  _out_and_grads,
+  _reference,
+  _settings_reference,
+  _sinks,
+)
 from MaxText.tests.helpers import assert_mesh_loss_and_grads_equal, config, train_batch
 
 LENGTH = 64
@@ -103,6 +112,45 @@ def test_split_attention_with_tensor_parallel_heads_and_a_traced_window(strategy
     got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)), jnp.int32(window))
     want = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
     _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+# (strategy, kernel, load balance, tensor, window, chunk, chunk traced): 4 devices of context with gpt-oss's sinks and
+# Llama 4's chunks (12 tokens: chunks cross the devices' pieces of 16, and the balanced halves of 8), a window
+# inside the chunk, heads split over tensor (each device then holds its heads' sinks).
+CHUNK_CASES = [
+  ("all_gather", "flash", True, 1, 0, 12, False),
+  ("all_gather", "dot_product", False, 2, 5, 12, True),
+  ("ring", "flash", True, 2, 5, 12, False),
+  ("ring", "flash", False, 1, 0, 7, True),
+]
+
+
+@pytest.mark.parametrize("strategy,kernel,balanced,tensor,window,chunk,traced", CHUNK_CASES)
+def test_split_attention_with_chunks_and_sinks_equals_the_reference(
+  strategy, kernel, balanced, tensor, window, chunk, traced
+):
+  """Output and the gradients of q, k, v and the sinks (summed over the devices' queries) equal one device's
+  reference; row 0 packs documents of 10, 15 and 20 tokens then padding, so chunks restart mid-piece."""
+  cfg, mesh = _mesh_config(
+    4,
+    f"ici_tensor_parallelism={tensor}",
+    f"context_parallel_strategy={strategy}",
+    f"attention={kernel}",
+    f"context_parallel_load_balance={str(balanced).lower()}",
+  )
+  q, k, v, w, seg, pos = _inputs(4, LENGTH, 4, 2, docs=(10, 15, 20))
+  sinks = _sinks(4)
+  order = cp.load_balanced_order(LENGTH, 4) if balanced else np.arange(LENGTH)
+
+  def split(q, k, v, sinks, seg, pos, chunk=chunk):
+    settings = AttentionSettings.from_config(cfg, window=window, chunk=chunk, sinks=sinks)
+    return cp.attend(q, k, v, seg, pos, settings, mesh=mesh)
+
+  args = (*(x[:, order] for x in (q, k, v)), sinks, w[:, order], seg[:, order], pos[:, order])
+  got = _out_and_all_grads(split, *args, *([jnp.int32(chunk)] if traced else []))
+  want = _out_and_all_grads(_settings_reference(window, chunk), q, k, v, sinks, w, seg, pos)
+  out, (dq, dk, dv, d_sinks) = want
+  _assert_all_close(got, (out[:, order], (dq[:, order], dk[:, order], dv[:, order], d_sinks)))
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
