@@ -117,7 +117,9 @@ def _splash_one_device(q, k, v, segment_ids, sinks, block_sizes, settings: Atten
   ids = splash.SegmentIds(segment_ids, segment_ids)
   if sinks is None:
     return jax.vmap(kernel)(q, k, v, ids)
-  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, sinks)
+  # In the queries' dtype: splash returns the sinks' gradient in the activations' dtype whatever the sinks' own, and
+  # a float32 sink with a bfloat16 gradient breaks the switch over windows (its branches' gradients must agree).
+  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, sinks.astype(q.dtype))
 
 
 def splash_attention(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=None) -> jax.Array:
