@@ -176,9 +176,9 @@ def _check_model(values: Mapping) -> None:
     )
   if not 0.0 <= values["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate={values['dropout_rate']} must be in [0, 1)")
-  if values["rope_high_freq_factor"] <= values["rope_low_freq_factor"]:
+  if values["rope_high_freq_factor"] < values["rope_low_freq_factor"]:  # equal: no blended band (Llama 4 Scout)
     raise ConfigError(
-      f"rope_high_freq_factor={values['rope_high_freq_factor']} must exceed "
+      f"rope_high_freq_factor={values['rope_high_freq_factor']} must be at least "
       f"rope_low_freq_factor={values['rope_low_freq_factor']}"
     )
 
@@ -316,17 +316,18 @@ def _check_router(values: Mapping) -> None:
   """Sigmoid routing's bias and groups (DeepSeek-V3), and the router's weights."""
   n, k = values["num_experts"], values["num_experts_per_tok"]
   groups, top_groups = values["n_routing_groups"], values["topk_routing_group"]
-  if (values["routed_bias"] or groups > 0) and values["routed_score_func"] != "sigmoid":
-    raise ConfigError("routed_bias and n_routing_groups apply to sigmoid routing; set routed_score_func=sigmoid")
+  if groups > 0 and values["routed_score_func"] != "sigmoid":
+    raise ConfigError("n_routing_groups applies to sigmoid routing; set routed_score_func=sigmoid")
   if groups > 0 and (n % groups or not 1 <= top_groups <= groups or k > top_groups * (n // groups) or n // groups < 2):
     raise ConfigError(
       f"n_routing_groups={groups}, topk_routing_group={top_groups}: the groups must split num_experts={n} evenly into "
       f"groups of at least 2, with 1 <= topk_routing_group <= n_routing_groups holding num_experts_per_tok={k} experts"
     )
-  if values["routed_bias_update_rate"] < 0 or (values["routed_bias_update_rate"] > 0 and not values["routed_bias"]):
+  sigmoid_bias = values["routed_bias"] and values["routed_score_func"] == "sigmoid"
+  if values["routed_bias_update_rate"] < 0 or (values["routed_bias_update_rate"] > 0 and not sigmoid_bias):
     raise ConfigError(
       f"routed_bias_update_rate={values['routed_bias_update_rate']} must be >= 0, and updates the bias of "
-      "routed_bias=true (sigmoid routing); set routed_bias=true or the rate to 0"
+      "routed_bias=true under sigmoid routing; set routed_bias=true and routed_score_func=sigmoid, or the rate to 0"
     )
   if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
     raise ConfigError(

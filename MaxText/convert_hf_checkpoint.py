@@ -88,12 +88,16 @@ class Plan:
             "the weights do not match config.json"
           )
         used.add(stored)
-    extra = sorted(n for n in set(tensors.files) - used if not self.mapping.ignored(n, config))
+    extra = sorted(n for n in set(tensors.files) - used if not self.ignored(tensors.text_name(n)))
     if extra:
       raise ConfigError(
         f"hf_model_path: tensor {extra[0]} (and {len(extra) - 1} more) is not part of a "
         f"{config.decoder_block} model; this variant of the architecture is not supported"
       )
+
+  def ignored(self, name: str | None) -> bool:
+    """A tensor the import leaves out: not a parameter (the mapping's `ignored`), or another tower's (name None)."""
+    return name is None or self.mapping.ignored(name, self.config)
 
   def instances(self):
     for group in self.model_groups:
@@ -155,11 +159,13 @@ def convert(config: Config, argv: list[str]) -> str:
   if config.model_name != "default":
     raise ConfigError(f"model_name={config.model_name}: the importer takes the model from config.json; drop model_name")
   folder = os.path.expanduser(config.hf_model_path)
-  keys = families.model_keys_from_hf(read_hf_config(folder))
+  hf_config = read_hf_config(folder)
+  keys = families.model_keys_from_hf(hf_config)
   target = os.path.join(checkpointing.checkpoint_dir(config), "0")
   if os.path.exists(target):
     raise ConfigError(f"{target} already exists; choose another run_name (an existing checkpoint is never overwritten)")
   tensors = HFTensors(folder)
+  tensors.tower = families.text_tower(hf_config)  # a multimodal checkpoint's text model: its tensors' stored names
   tokenizer = find_tokenizer(folder)
 
   with staged(target) as staging:

@@ -112,6 +112,20 @@ def stacked_linear(hf: Sequence[str], ours: str) -> Group:
   )
 
 
+def interleaved(hf: str, ours: tuple[str, str]) -> Group:
+  """A fused tensor [..., 2 * n] whose last axis alternates two of ours [..., n] (gpt-oss's experts' gate_up_proj
+  and its bias: gate at the even columns, up at the odd ones) <-> those two."""
+
+  def join(a, b):
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+      return (np.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1),)
+    import jax.numpy as jnp  # abstract shapes (jax.eval_shape) go through jax
+
+    return (jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1),)
+
+  return Group((hf,), tuple(ours), lambda w: (w[..., 0::2], w[..., 1::2]), join)
+
+
 def fused_qkv(hf: str, ours: tuple[str, str, str], heads: int, head_dim: int) -> Group:
   """GPT-2's c_attn: [in, 3 * heads * head_dim] weight or [3 * heads * head_dim] bias <-> query, key, value."""
 
@@ -152,6 +166,47 @@ def not_parameters(name: str, cfg: Config) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class TextTower:
+  """Where a multimodal checkpoint (a ...ForConditionalGeneration) keeps a family's text model, for import only
+  (export writes the family's causal LM): its config.json's model_type and architecture, the key holding the text
+  model's config.json, and how the text model's tensor names are stored.
+
+  `renames` are (text model's prefix, stored prefix) pairs, tried in order: ("model.", "language_model.model.")
+  finds model.norm.weight stored as language_model.model.norm.weight. `other_towers` are the stored prefixes of the
+  tensors that are not the text model's (the vision tower, the projector): left out of the import, not refused.
+  """
+
+  model_type: str  # the multimodal config.json's model_type ("gemma3", "llama4")
+  architecture: str  # its architectures[0] ("Gemma3ForConditionalGeneration")
+  renames: tuple[tuple[str, str], ...]
+  other_towers: tuple[str, ...]
+  config_key: str = "text_config"
+
+  def text_config(self, mapping: "HFMapping", hf: Mapping) -> dict:
+    """The text model's config.json from the multimodal one: its `config_key`, as the family's causal LM."""
+    archs = hf.get("architectures") or [self.architecture]
+    if archs[0] != self.architecture:
+      raise unsupported(f"architecture {archs[0]} is not supported; {self.architecture} or {mapping.architecture} is")
+    text = hf.get(self.config_key)
+    if not isinstance(text, Mapping):
+      raise unsupported(f"no {self.config_key!r}, which a {self.model_type} model needs; is this its own config.json?")
+    return dict(text) | {"model_type": mapping.model_type, "architectures": [mapping.architecture]}
+
+  def stored_names(self, name: str) -> list[str]:
+    """The names the text model's tensor `name` may be stored under, in the order tried."""
+    return [stored + name.removeprefix(text) for text, stored in self.renames if name.startswith(text)]
+
+  def text_name(self, stored: str) -> str | None:
+    """The text model's name of a stored tensor; None for another tower's."""
+    if stored.startswith(self.other_towers):
+      return None
+    for text, prefix in self.renames:
+      if stored.startswith(prefix):
+        return text + stored.removeprefix(prefix)
+    return stored
+
+
+@dataclasses.dataclass(frozen=True)
 class HFMapping:
   """How one family's checkpoints look in Hugging Face's format."""
 
@@ -161,6 +216,7 @@ class HFMapping:
   write_config: Callable[[Config], dict]  # our config -> config.json's keys (the common ones aside, see hf_config)
   layout: Callable[[Config], Layout]
   ignored: Callable[[str, Config], bool] = not_parameters  # tensors of a checkpoint that are not parameters
+  text_tower: TextTower | None = None  # the multimodal checkpoints holding this family's text model (import only)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,16 @@ from collections.abc import Callable
 import numpy as np
 
 from MaxText.common_types import ConfigError
+from MaxText.convert import mxfp4
 
 
 class HFTensors:
-  """The tensors of a Hugging Face model folder (`*.safetensors`, sharded or not): name -> (file, shape)."""
+  """The tensors of a Hugging Face model folder (`*.safetensors`, sharded or not): name -> (file, shape).
+
+  An MXFP4-quantized weight (gpt-oss's experts: `{name}_blocks` and `{name}_scales`, convert/mxfp4.py) is listed
+  under `name` alone, with the shape of the weight, and dequantized when loaded: to the importer it is the tensor
+  of an unquantized checkpoint.
+  """
 
   def __init__(self, folder: str):
     from safetensors import SafetensorError, safe_open
@@ -33,12 +39,14 @@ class HFTensors:
       raise ConfigError(f"hf_model_path={folder} has no *.safetensors files; give a Hugging Face model folder")
     self.files: dict[str, str] = {}
     self.shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for path in files:
       try:
         with safe_open(path, "numpy") as f:
           for name in f.keys():
             self.files[name] = path
             self.shapes[name] = tuple(f.get_slice(name).get_shape())
+            dtypes[name] = f.get_slice(name).get_dtype()
       except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -47,21 +55,50 @@ class HFTensors:
         missing = sorted(set(json.load(f).get("weight_map", {})) - set(self.files))
       if missing:
         raise ConfigError(f"{index} lists {missing[0]} (and {len(missing) - 1} more) that no shard holds; re-download")
+    # MXFP4 name -> ((file, name) of its blocks, of its scales), which are listed under the name alone.
+    self.packed: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
+    for name, parts in mxfp4.packed_pairs(self.shapes, dtypes).items():
+      self.packed[name] = tuple((self.files.pop(part), part) for part in parts)
+      self.files[name] = self.packed[name][0][0]
+      self.shapes[name] = mxfp4.dequantized_shape(self.shapes[parts[0]])
+      for part in parts:
+        del self.shapes[part]
+
+  # A multimodal checkpoint's text tower (hf_families.TextTower), set by the importer: the text model's tensors are
+  # stored under the tower's names, and the other towers' tensors are not the text model's (text_name).
+  tower = None
 
   def resolve(self, name: str) -> str | None:
-    """The stored name of `name`; GPT-2 checkpoints may omit the `transformer.` prefix."""
+    """The stored name of the text model's tensor `name`; GPT-2 checkpoints may omit the `transformer.` prefix, and
+    a multimodal checkpoint stores it under its tower's prefix."""
     if name in self.files:
       return name
-    short = name.removeprefix("transformer.")
-    return short if short in self.files else None
+    for stored in [name.removeprefix("transformer."), *(self.tower.stored_names(name) if self.tower else [])]:
+      if stored in self.files:
+        return stored
+    return None
+
+  def text_name(self, stored: str) -> str | None:
+    """The text model's name of stored tensor `stored` (itself, but for a tower's renames); None for another
+    tower's tensor."""
+    return stored if self.tower is None else self.tower.text_name(stored)
 
   def load(self, name: str, rows: slice | None = None) -> np.ndarray:
-    """The tensor `name`, or only its `rows` (a slice of axis 0)."""
-    from safetensors import safe_open
-
+    """The tensor `name`, or only its `rows` (a slice of axis 0); an MXFP4 one dequantized (bfloat16)."""
     stored = self.resolve(name)
-    with safe_open(self.files[stored], "numpy") as f:
-      return f.get_tensor(stored) if rows is None else f.get_slice(stored)[rows]
+    if stored not in self.packed:
+      return _read(self.files[stored], stored, rows)
+    if rows is not None and len(self.shapes[stored]) < 3:  # axis 0 is the blocks' last but one: rows of the whole
+      return self.load(name)[rows]
+    return mxfp4.dequantize(*(_read(path, part, rows) for path, part in self.packed[stored]))
+
+
+def _read(path: str, name: str, rows: slice | None) -> np.ndarray:
+  """Tensor `name` of safetensors file `path`, or only its `rows` (a slice of axis 0)."""
+  from safetensors import safe_open
+
+  with safe_open(path, "numpy") as f:
+    return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
 
 @dataclasses.dataclass

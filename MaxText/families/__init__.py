@@ -25,7 +25,8 @@ from MaxText.layers import decoders
 from MaxText.layers.decoders import Stack, layer_stacks, param_path
 
 __all__ = ["FAMILIES", "Family", "Stack", "for_hf_config", "get", "hf_mapping", "layer_stacks", "model_keys_from_hf"]
-__all__ += ["no_checks", "param_path", "presets", "register", "rope_rotates_pairs", "summary_table", "unregister"]
+__all__ += ["no_checks", "param_path", "presets", "register", "rope_rotates_pairs", "summary_table", "text_tower"]
+__all__ += ["unregister"]
 
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 
@@ -111,19 +112,32 @@ def get(decoder_block: str) -> Family:
 
 
 def for_hf_config(config_json: Mapping) -> Family:
-  """The family whose Hugging Face model_type a config.json names; ConfigError if none has it."""
+  """The family whose Hugging Face model_type a config.json names (its causal LM's, or that of a multimodal model
+  holding it as its text tower); ConfigError if none has it."""
   model_type = config_json.get("model_type")
   with_hf = [f for f in FAMILIES.values() if f.hf is not None]
   for family in with_hf:
-    if family.hf.model_type == model_type:
+    tower = family.hf.text_tower
+    if model_type == family.hf.model_type or (tower is not None and model_type == tower.model_type):
       return family
-  supported = ", ".join(f.hf.model_type for f in with_hf)
+  towers = [f.hf.text_tower.model_type for f in with_hf if f.hf.text_tower]
+  supported = ", ".join([f.hf.model_type for f in with_hf] + [f"{t} (its text model)" for t in towers])
   raise hf_families.unsupported(f"model_type={model_type!r} is not supported; supported: {supported}")
 
 
+def text_tower(config_json: Mapping) -> hf_families.TextTower | None:
+  """The TextTower of a multimodal config.json (its tensors are stored under its names); None for a causal LM's."""
+  tower = for_hf_config(config_json).hf.text_tower
+  return tower if tower is not None and config_json.get("model_type") == tower.model_type else None
+
+
 def model_keys_from_hf(config_json: Mapping) -> dict:
-  """Our model keys (decoder_block included) from a Hugging Face config.json; ConfigError if unsupported."""
+  """Our model keys (decoder_block included) from a Hugging Face config.json, a causal LM's or a multimodal model's
+  (its text model's keys); ConfigError if unsupported."""
   family = for_hf_config(config_json)
+  tower = text_tower(config_json)
+  if tower is not None:
+    config_json = tower.text_config(family.hf, config_json)
   return hf_families.model_keys(family.hf, family.name, config_json)
 
 

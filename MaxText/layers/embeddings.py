@@ -83,7 +83,7 @@ def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
     old_len = float(config.rope_original_max_position)
     low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_scaling_factor
     wavelen = 2.0 * np.pi / freq
-    smooth = (old_len / wavelen - low) / (high - low)
+    smooth = (old_len / wavelen - low) / max(high - low, 1e-12)  # equal factors (Llama 4 Scout): no band to blend
     blended = (1.0 - smooth) * freq / factor + smooth * freq
     freq = np.where(wavelen < old_len / high, freq, np.where(wavelen > old_len / low, freq / factor, blended))
   if config.rope_type == "yarn":

@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types as ct
 from MaxText import lora, sharding
-from MaxText.common_types import Config
+from MaxText.common_types import Config, ConfigError
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
@@ -21,6 +21,10 @@ ACTIVATIONS = {
   "sigmoid": nn.sigmoid,
   "linear": lambda x: x,
 }
+# gpt-oss's clamped SwiGLU (mlp_activations_limit > 0): its activations, and the gain of its sigmoid (OpenAI's
+# reference implementation, and MaxText's, fix it at 1.702: x * sigmoid(1.702 x) approximates GELU).
+CLAMPED_SWIGLU = ("sigmoid", "linear")
+SWIGLU_ALPHA = 1.702
 
 
 def dtypes(config: Config) -> tuple[jnp.dtype, jnp.dtype]:
@@ -121,9 +125,35 @@ def fused_projection(x: jax.Array, layers: Sequence[DenseGeneral]) -> list[jax.A
   return [out if b is None else out + b for out, (_, b) in zip(outs, weights, strict=True)]
 
 
+def gated_activation(projections: Sequence[jax.Array], config: Config) -> jax.Array:
+  """A gated MLP's hidden layer from its input projections, one per mlp_activations entry (each named "mlpwi" for
+  remat): prod_i act_i(projection_i), e.g. SwiGLU for [silu, linear].
+
+  With mlp_activations_limit > 0, gpt-oss's clamped SwiGLU over mlp_activations [sigmoid, linear] (OpenAI's
+  reference `swiglu`; MaxText's apply_ffn_activation): the gate g clamped above at the limit, the linear input u to
+  [-limit, limit], then g * sigmoid(1.702 g) * (u + 1). Clamping passes no gradient beyond the limits, as torch's.
+  """
+  projections = [checkpoint_name(p, "mlpwi") for p in projections]
+  limit = config.mlp_activations_limit
+  if limit > 0:
+    if tuple(config.mlp_activations) != CLAMPED_SWIGLU:
+      raise ConfigError(
+        f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, of mlp_activations={list(CLAMPED_SWIGLU)}; "
+        f"set those or mlp_activations_limit=-1 (now mlp_activations={list(config.mlp_activations)})"
+      )
+    gate, up = projections
+    gate = jnp.minimum(gate, limit)
+    return gate * nn.sigmoid(SWIGLU_ALPHA * gate) * (jnp.clip(up, -limit, limit) + 1)
+  hidden = None
+  for projection, act in zip(projections, config.mlp_activations, strict=True):
+    h = ACTIVATIONS[act](projection)
+    hidden = h if hidden is None else hidden * h
+  return hidden
+
+
 class MlpBlock(nn.Module):
   """Gated MLP: wo(prod_i act_i(wi_i x)), e.g. SwiGLU for mlp_activations=[silu, linear] (Shazeer 2020), GeGLU
-  for [gelu, linear] (Gemma), or one GELU projection for [gelu] (GPT-2/3, with use_bias).
+  for [gelu, linear] (Gemma), or one GELU projection for [gelu] (GPT-2/3, with use_bias); see gated_activation.
 
   x: [batch, length, embed] -> [batch, length, embed].
   """
@@ -144,10 +174,6 @@ class MlpBlock(nn.Module):
     ]
     fused = cfg.fused_mlp and len(wi) > 1
     projections = fused_projection(x, wi) if fused else [layer(x) for layer in wi]
-    hidden = None
-    for projection, act in zip(projections, cfg.mlp_activations, strict=True):
-      h = ACTIVATIONS[act](checkpoint_name(projection, "mlpwi"))
-      hidden = h if hidden is None else hidden * h
-    hidden = sharding.constrain(hidden, (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
+    hidden = sharding.constrain(gated_activation(projections, cfg), (ct.BATCH, ct.LENGTH, ct.ACT_MLP), self.mesh, cfg)
     out = DenseGeneral((cfg.emb_dim,), (ct.MLP, ct.EMBED), cfg, use_bias=self.use_bias, adapter=True, name="wo")(hidden)
     return checkpoint_name(out, "mlpwo")

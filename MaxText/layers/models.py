@@ -143,8 +143,12 @@ class Transformer(nn.Module):
       if stack is stacks[-1] and pipeline.runs(cfg, self.mesh, mode) and not self.is_initializing():
         x = self._pipeline(block(cfg, self.mesh, deterministic, mode, parent=None), stack, x, segment_ids, positions)
         continue
-      end = stack.start + stack.count
-      stack_cache = None if cache is None else jax.tree_util.tree_map(lambda c, a=stack.start, z=end: c[a:z], cache)
+      # A stack's steps are layers, or periods of layers (decoders.Stack): its cache [steps, ...], and its steps'
+      # indices from `first`.
+      stack_cache = (
+        None if cache is None else jax.tree_util.tree_map(lambda c, s=stack: s.by_step(c[s.start : s.end]), cache)
+      )
+      first = stack.start // stack.period
       if cfg.scan_layers:
         scanned = nn.scan(
           block,
@@ -155,15 +159,15 @@ class Transformer(nn.Module):
           metadata_params={nn.PARTITION_NAME: ct.LAYERS},
         )
         layers = scanned(cfg, self.mesh, deterministic, mode, name=stack.name)
-        index = jnp.arange(stack.start, end)
+        index = jnp.arange(first, first + stack.count)
         x, kv = layers(x, segment_ids, positions, stack_cache, cache_mask, cache_positions, index)
-        kvs.append(kv)
+        kvs.append(jax.tree_util.tree_map(stack.by_layer, kv))
       else:
         for j in range(stack.count):
           layer_cache = None if cache is None else jax.tree_util.tree_map(lambda c, j=j: c[j], stack_cache)
           layer = block(cfg, self.mesh, deterministic, mode, name=f"{stack.name}_{j}")
-          x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask, cache_positions, stack.start + j)
-          kvs.append(None if layer_kv is None else jax.tree_util.tree_map(lambda a: a[None], layer_kv))
+          x, layer_kv = layer(x, segment_ids, positions, layer_cache, cache_mask, cache_positions, first + j)
+          kvs.append(None if layer_kv is None else jax.tree_util.tree_map(lambda a, s=stack: s.by_layer(a[None]), layer_kv))
     kv = None if mode == ct.MODEL_MODE_TRAIN else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *kvs)
 
     if balanced:

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers.grouped_matmul import grouped_matmul
-from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, dtypes
+from MaxText.layers.linears import DenseGeneral, MlpBlock, dtypes, gated_activation
 
 # routed_score_func: the router's scores, "" or "softmax" (a softmax over the experts) or "sigmoid" (each expert's
 # own sigmoid, DeepSeek-V3).
@@ -110,31 +111,70 @@ def capacity_masks(experts_BSK: jax.Array, num_experts: int, capacity: int) -> t
   return jax.nn.one_hot(slot, capacity, dtype=jnp.float32), dropped  # one_hot of -1 or >= capacity is all zeros
 
 
+class ExpertWeights(NamedTuple):
+  """The routed experts' weights in the activation dtype: wi [experts, embed, moe_mlp] (one per mlp_activations
+  entry) and wo [experts, moe_mlp, embed]; with MoeBlock.use_bias their biases wi_bias ([experts, moe_mlp] each) and
+  wo_bias [experts, embed], else None."""
+
+  wi: list[jax.Array]
+  wo: jax.Array
+  wi_bias: list[jax.Array] | None = None
+  wo_bias: jax.Array | None = None
+
+
+def _plus(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+  return y if bias is None else y + bias
+
+
 class MoeBlock(nn.Module):
   """The MoE feed-forward block, x [batch, length, embed] -> [batch, length, embed]: the router and the routed
   experts, plus `shared_experts` always-on experts (one MLP of shared_experts * moe_mlp_dim, as DeepSeek's).
 
-  Parameters: gate.kernel [embed, experts]; wi_i [experts, embed, moe_mlp] (one per mlp_activations entry) and
-  wo [experts, moe_mlp, embed]; shared.* (an MlpBlock) with shared experts. `renormalize` is the family's top-k
-  renormalisation (see route).
+  Parameters: gate.kernel [embed, experts], and with routed_bias gate.bias [experts] under softmax routing (a bias
+  of the router's logits, gpt-oss's) or gate_bias [experts] under sigmoid routing (DeepSeek's, for the choice only);
+  wi_i [experts, embed, moe_mlp] (one per mlp_activations entry) and wo [experts, moe_mlp, embed], with `use_bias`
+  also wi_i_bias [experts, moe_mlp] and wo_bias [experts, embed] (gpt-oss); shared.* (an MlpBlock) with shared
+  experts. `renormalize` is the family's top-k renormalisation (see route).
   """
 
   config: Config
   mesh: jax.sharding.Mesh | None = None
   renormalize: bool = False
+  use_bias: bool = False  # gpt-oss: a bias on each expert's projections
+  # Llama 4 (layers/llama4.py): the router's weight scales the chosen expert's input, not its output (one expert per
+  # token); the expert's output is then summed as it is.
+  scale_expert_inputs: bool = False
 
   def expert_kernel(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
     """An [experts, in, out] kernel, LeCun-normal over `in` for each expert (DenseGeneral's init, per expert)."""
     init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=(0,))
     return self.param(name, nn.with_logical_partitioning(init, axes), shape, dtypes(self.config)[1])
 
+  def expert_weights(self) -> ExpertWeights:
+    """The experts' parameters (see the class), in the activation dtype."""
+    cfg = self.config
+    dtype, weight_dtype = dtypes(cfg)
+    n, e, m, count = cfg.num_experts, cfg.emb_dim, cfg.moe_mlp_dim, len(cfg.mlp_activations)
+    wi = [self.expert_kernel(f"wi_{i}", (n, e, m), (ct.EXP, ct.EMBED_NO_EXP, ct.MLP)) for i in range(count)]
+    wo = self.expert_kernel("wo", (n, m, e), (ct.EXP, ct.MLP, ct.EMBED_NO_EXP))
+    weights = ExpertWeights([w.astype(dtype) for w in wi], wo.astype(dtype))
+    if not self.use_bias:
+      return weights
+
+    def bias(name, shape, axes):
+      return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, weight_dtype).astype(dtype)
+
+    wi_bias = [bias(f"wi_{i}_bias", (n, m), (ct.EXP, ct.MLP)) for i in range(count)]
+    return weights._replace(wi_bias=wi_bias, wo_bias=bias("wo_bias", (n, e), (ct.EXP, ct.EMBED_NO_EXP)))
+
   @nn.compact
   def __call__(self, x_BSE: jax.Array) -> jax.Array:
     cfg = self.config
     dtype = dtypes(cfg)[0]
-    n, k, e, m = cfg.num_experts, cfg.num_experts_per_tok, cfg.emb_dim, cfg.moe_mlp_dim
+    n, k = cfg.num_experts, cfg.num_experts_per_tok
     b, s, _ = x_BSE.shape
-    gate = DenseGeneral((n,), (ct.EMBED, None), cfg, compute_dtype=jnp.float32, name="gate")
+    logit_bias = cfg.routed_bias and cfg.routed_score_func != "sigmoid"  # gpt-oss's router: a linear layer with bias
+    gate = DenseGeneral((n,), (ct.EMBED, None), cfg, use_bias=logit_bias, compute_dtype=jnp.float32, name="gate")
     logits_TN = gate(x_BSE).reshape(b * s, n)
     if cfg.routed_score_func == "sigmoid":
       bias = None
@@ -149,20 +189,19 @@ class MoeBlock(nn.Module):
     if cfg.routed_bias and cfg.routed_bias_update_rate > 0:  # the loads the bias update balances (train.py)
       self.sow("intermediates", "moe_expert_counts", jnp.zeros((n,), jnp.int32).at[experts_TK.ravel()].add(1))
 
-    wi = [
-      self.expert_kernel(f"wi_{i}", (n, e, m), (ct.EXP, ct.EMBED_NO_EXP, ct.MLP)) for i in range(len(cfg.mlp_activations))
-    ]
-    wo = self.expert_kernel("wo", (n, m, e), (ct.EXP, ct.MLP, ct.EMBED_NO_EXP))
-    wi, wo = [w.astype(dtype) for w in wi], wo.astype(dtype)
-    y = self.experts(x_BSE.astype(dtype), weights_TK, experts_TK, wi, wo)
+    y = self.experts(x_BSE.astype(dtype), weights_TK, experts_TK, self.expert_weights())
     if cfg.shared_experts > 0:
       y = y + MlpBlock(cfg, self.mesh, mlp_dim=cfg.shared_experts * cfg.moe_mlp_dim, name="shared")(x_BSE)
     y = sharding.constrain(y, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
     return checkpoint_name(y, "mlpwo")
 
-  def experts(self, x_BSE, weights_TK, experts_TK, wi, wo) -> jax.Array:
+  def experts(self, x_BSE, weights_TK, experts_TK, w: ExpertWeights) -> jax.Array:
     """The routed experts' outputs summed with the router's weights, [batch, length, embed]: by the path the
-    config chooses (see the module's docstring)."""
+    config chooses (see the module's docstring). An expert's biases (w.wi_bias, w.wo_bias) join its projections on
+    every path, so a dropped assignment adds nothing, its bias neither."""
+    if self.scale_expert_inputs:  # Llama 4: x * w through the expert, whose output gets weight 1 (top-1 routing)
+      x_BSE = x_BSE * weights_TK.reshape(*x_BSE.shape[:2], 1).astype(x_BSE.dtype)
+      weights_TK = jnp.ones_like(weights_TK)
     cfg = self.config
     dtype = x_BSE.dtype
     n, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -172,48 +211,59 @@ class MoeBlock(nn.Module):
       self.sow("intermediates", "moe_dropped", dropped)
       combine_BSNC = jnp.einsum("BSKNC,BSK->BSNC", dispatch_BSKNC, weights_TK.reshape(b, s, k)).astype(dtype)
       x_NBCE = jnp.einsum("BSNC,BSE->NBCE", jnp.sum(dispatch_BSKNC, axis=2).astype(dtype), x_BSE)
-      hidden = self.gated(x_NBCE, wi, lambda x, w: jnp.einsum("NBCE,NEM->NBCM", x, w))
-      y_NBCE = jnp.einsum("NBCM,NME->NBCE", hidden, wo)
+      per_slot = lambda bias: None if bias is None else bias[:, None, None]  # noqa: E731
+      hidden = self.gated(x_NBCE, w, lambda x, k, b: _plus(jnp.einsum("NBCE,NEM->NBCM", x, k), per_slot(b)))
+      y_NBCE = _plus(jnp.einsum("NBCM,NME->NBCE", hidden, w.wo), per_slot(w.wo_bias))
       return jnp.einsum("NBCE,BSNC->BSE", y_NBCE, combine_BSNC)
     x_TE = x_BSE.reshape(b * s, e)
     if not cfg.sparse_matmul:
       gates_TN = jnp.sum(jax.nn.one_hot(experts_TK, n, dtype=jnp.float32) * weights_TK[..., None], axis=1)
-      hidden = self.gated(x_TE, wi, lambda x, w: jnp.einsum("TE,NEM->NTM", x, w))
-      y_NTE = jnp.einsum("NTM,NME->NTE", hidden, wo)
+      per_token = lambda bias: None if bias is None else bias[:, None]  # noqa: E731
+      hidden = self.gated(x_TE, w, lambda x, k, b: _plus(jnp.einsum("TE,NEM->NTM", x, k), per_token(b)))
+      y_NTE = _plus(jnp.einsum("NTM,NME->NTE", hidden, w.wo), per_token(w.wo_bias))
       return jnp.einsum("NTE,TN->TE", y_NTE, gates_TN.astype(dtype)).reshape(b, s, e)
-    return self.dropless(x_BSE, weights_TK.reshape(b, s, k), experts_TK.reshape(b, s, k), wi, wo)
+    weights_BSK, experts_BSK = weights_TK.reshape(b, s, k), experts_TK.reshape(b, s, k)
+    y_BSE = self.dropless(x_BSE, weights_BSK, experts_BSK, w._replace(wo_bias=None))
+    if w.wo_bias is None:
+      return y_BSE
+    # sum_k weight_k * wo_bias[expert_k], added here rather than per sorted row: under tensor parallelism each
+    # device's rows give a partial sum over its moe_mlp shard, and a bias added there would be summed once per shard.
+    bias_BSKE = jnp.take(w.wo_bias, experts_BSK, axis=0)
+    return y_BSE + jnp.einsum("BSK,BSKE->BSE", weights_BSK.astype(dtype), bias_BSKE)
 
-  def dropless(self, x_BSE, weights_BSK, experts_BSK, wi, wo) -> jax.Array:
+  def dropless(self, x_BSE, weights_BSK, experts_BSK, w: ExpertWeights) -> jax.Array:
     """The dropless path on each device's tokens (under shard_map when there is a mesh): its (token, choice)
     assignments sorted by expert, grouped matmuls, back to token order. With expert parallelism, each device holds
     num_experts / ep experts, and the sorted rows go to the devices holding their experts and come back by
-    all-to-all over the expert axis; with tensor parallelism, the partial sums over the moe_mlp shards are added."""
+    all-to-all over the expert axis; with tensor parallelism, the partial sums over the moe_mlp shards are added.
+    `w` has no wo_bias (MoeBlock.experts adds it)."""
     cfg, mesh = self.config, self.mesh
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if mesh is None:
-      return DevicePlan(cfg, self.gated, platform)(x_BSE, weights_BSK, experts_BSK, wi, wo)
+      return DevicePlan(cfg, self.gated, platform)(x_BSE, weights_BSK, experts_BSK, w)
     # Token dimensions that do not split evenly (a decode step's length of 1 over sequence shards) stay whole.
     token_spec = _fitting(sharding.logical_to_mesh_spec((ct.BATCH, ct.LENGTH, None), cfg), x_BSE.shape, mesh)
     wi_spec = sharding.logical_to_mesh_spec((ct.EXP, None, ct.MLP), cfg)
     wo_spec = sharding.logical_to_mesh_spec((ct.EXP, ct.MLP, None), cfg)
+    bias_spec = sharding.logical_to_mesh_spec((ct.EXP, ct.MLP), cfg)
+    count = len(w.wi)
+    w_spec = ExpertWeights([wi_spec] * count, wo_spec, None if w.wi_bias is None else [bias_spec] * count, None)
     exp_axes, mlp_axes = _axes(wi_spec[0]), _axes(wi_spec[2])
     plan = DevicePlan(cfg, self.gated, platform, exp_axes, math.prod(mesh.shape[a] for a in exp_axes), mlp_axes)
     sharded = jax.shard_map(
       plan,
       mesh=mesh,
-      in_specs=(token_spec, token_spec, token_spec, [wi_spec] * len(wi), wo_spec),
+      in_specs=(token_spec, token_spec, token_spec, w_spec),
       out_specs=token_spec,
       check_vma=False,
     )
-    return sharded(x_BSE, weights_BSK, experts_BSK, wi, wo)
+    return sharded(x_BSE, weights_BSK, experts_BSK, w)
 
-  def gated(self, x, wi, project):
-    """prod_i act_i(project(x, wi_i)): the experts' gated hidden layer (SwiGLU for [silu, linear])."""
-    hidden = None
-    for w, act in zip(wi, self.config.mlp_activations, strict=True):
-      h = ACTIVATIONS[act](checkpoint_name(project(x, w), "mlpwi"))
-      hidden = h if hidden is None else hidden * h
-    return hidden
+  def gated(self, x, w: ExpertWeights, project):
+    """The experts' gated hidden layer (linears.gated_activation: SwiGLU for [silu, linear]) of the input
+    projections project(x, wi_i, wi_bias_i or None), which add the bias where there is one."""
+    biases = w.wi_bias or [None] * len(w.wi)
+    return gated_activation([project(x, k, b) for k, b in zip(w.wi, biases, strict=True)], self.config)
 
 
 def _axes(spec_entry) -> tuple[str, ...]:
@@ -242,8 +292,8 @@ class DevicePlan:
   ep: int = 1
   mlp_axes: tuple[str, ...] = ()
 
-  def __call__(self, x_BSE, weights_BSK, experts_BSK, wi, wo) -> jax.Array:
-    """Tokens x [b, s, embed] with their router weights and experts [b, s, k] -> [b, s, embed]."""
+  def __call__(self, x_BSE, weights_BSK, experts_BSK, w: ExpertWeights) -> jax.Array:
+    """Tokens x [b, s, embed] with their router weights and experts [b, s, k] -> [b, s, embed]; `w` without wo_bias."""
     b, s, e = x_BSE.shape
     k = experts_BSK.shape[-1]
     experts_A = experts_BSK.reshape(-1)  # assignment a = t * k + j: token t's j-th choice
@@ -253,8 +303,15 @@ class DevicePlan:
 
     def experts_ffn(rows, group_sizes):
       matmul = functools.partial(grouped_matmul, platform=self.platform, megablox=self.config.megablox)
-      hidden = self.gated(rows, wi, lambda x, w: matmul(x, w, group_sizes))
-      return matmul(hidden, wo, group_sizes)
+      if w.wi_bias is not None:  # each sorted row's expert, by the group sizes (padding rows, past them, the last)
+        expert_R = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
+        expert_R = jnp.minimum(expert_R, group_sizes.shape[0] - 1)
+
+      def project(x, kernel, bias):
+        y = matmul(x, kernel, group_sizes)
+        return y if bias is None else y + jnp.take(bias, expert_R, axis=0)
+
+      return matmul(self.gated(rows, w, project), w.wo, group_sizes)
 
     if self.ep == 1:
       y_AE = experts_ffn(x_AE, sizes_N)
