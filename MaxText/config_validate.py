@@ -16,6 +16,8 @@ import os
 import types
 from collections.abc import Collection, Mapping, Sequence
 
+import numpy as np
+
 from MaxText import families, input_pipeline, lora, metrics, optimizers, storage
 from MaxText.common_types import ConfigError, cut, shown, thaw
 from MaxText.config_derive import (
@@ -350,7 +352,9 @@ def _check_attention(values: Mapping) -> None:
       head_dim = max(values["qk_nope_head_dim"] + values["qk_rope_head_dim"], values["v_head_dim"])
     shape = (1, values["max_target_length"], values["base_num_query_heads"], head_dim)
     window, cap = values["sliding_window_size"], values["attn_logits_soft_cap"]
-    reason = attention_kernels.cudnn_unsupported_reason(settings, shape, linears.DTYPES[values["dtype"]], window, cap)
+    sinks = np.zeros(values["base_num_query_heads"]) if families.get(values["decoder_block"]).layer.attention_sinks else None
+    dtype = linears.DTYPES[values["dtype"]]
+    reason = attention_kernels.cudnn_unsupported_reason(settings, shape, dtype, window, cap, sinks=sinks)
     if reason:
       raise ConfigError(f"attention={name}: {reason}; use attention=flash or attention=dot_product")
   if name == "flash" and (values["hardware"] == "tpu" or values["compile_topology"]):

@@ -28,6 +28,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
   a few additions per token against the matmuls' thousands of multiply-adds)."""
 
   moe = True
+  attention_sinks = True
 
   @classmethod
   def sliding_window(cls, config: Config, layer_index) -> int | jax.Array:
@@ -36,7 +37,9 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
     return jnp.where(jnp.asarray(layer_index) % 2 == 0, config.sliding_window_size, 0)
 
   def attention(self) -> Attention:
-    return Attention(self.config, self.mesh, self.model_mode, use_bias=True, use_sinks=True, name="self_attention")
+    return Attention(
+      self.config, self.mesh, self.model_mode, use_bias=True, use_sinks=self.attention_sinks, name="self_attention"
+    )
 
   def mlp(self) -> MoeBlock:
     return MoeBlock(self.config, self.mesh, renormalize=True, use_bias=True, name="mlp")

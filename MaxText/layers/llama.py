@@ -72,6 +72,7 @@ class LlamaDecoderLayer(nn.Module):
   scale_embeddings: ClassVar[bool] = False  # Gemma: token embeddings are multiplied by sqrt(emb_dim).
   qk_norm: ClassVar[bool] = False  # Qwen 3: RMSNorm of each query and key head.
   qkv_bias: ClassVar[bool] = False  # Qwen 2: biases on the query, key and value projections (not the output's).
+  attention_sinks: ClassVar[bool] = False  # gpt-oss: a learned sink logit per head (pyconfig refuses cuDNN for it).
   pre_mlp_norm_name: ClassVar[str] = "post_self_attention_layer_norm"  # Gemma 2: pre_ffw_norm.
   # What the config must say about the layer (pyconfig checks it), and where layers of another class come first.
   moe: ClassVar[bool] = False  # Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2.

@@ -254,6 +254,10 @@ def test_what_the_format_or_the_layer_cannot_hold_is_refused():
     families.hf_mapping(cfg).write_config(cfg)
   with pytest.raises(ConfigError, match=r"mlp_activations_limit=7.0 is gpt-oss's clamped SwiGLU.*\['silu', 'linear'\]"):
     config(*OSS_MOE, "mlp_activations=['silu','linear']", "mlp_activations_limit=7.0")
+  # The sinks cannot run on cuDNN: refused when the config is read, before any device work (the kernel refuses the
+  # same when traced; attention_kernels_test).
+  with pytest.raises(ConfigError, match="attention=cudnn_flash_te: cuDNN fused attention has no attention sinks"):
+    config(*OSS_MOE, "attention=cudnn_flash_te", "hardware=gpu")
 
 
 # ------------------------------------------------------------------------------------------------ presets
