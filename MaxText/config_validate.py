@@ -94,6 +94,25 @@ def _check_choices(values: Mapping) -> None:
   for act in values["mlp_activations"]:
     if act not in linears.ACTIVATIONS:
       raise ConfigError(f"mlp_activations contains {shown(act)}; choose among {', '.join(linears.ACTIVATIONS)}")
+  _check_clamped_swiglu(values)
+
+
+def _check_clamped_swiglu(values: Mapping) -> None:
+  """mlp_activations_limit > 0 is gpt-oss's clamped SwiGLU (linears.gated_activation): of its activations, in a
+  family whose layer has it."""
+  limit, acts = values["mlp_activations_limit"], list(values["mlp_activations"])
+  if limit <= 0:
+    return
+  if not families.get(values["decoder_block"]).layer.clamped_swiglu:
+    raise ConfigError(
+      f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, which decoder_block={values['decoder_block']} "
+      "has not (gpt_oss has); set mlp_activations_limit=-1"
+    )
+  if tuple(acts) != linears.CLAMPED_SWIGLU:
+    raise ConfigError(
+      f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, of mlp_activations={list(linears.CLAMPED_SWIGLU)} "
+      f"(now {acts}); set those, or mlp_activations_limit=-1"
+    )
 
 
 # ------------------------------------------------------------------------------------------ names and paths
@@ -326,6 +345,13 @@ def _check_router(values: Mapping) -> None:
       f"groups of at least 2, with 1 <= topk_routing_group <= n_routing_groups holding num_experts_per_tok={k} experts"
     )
   sigmoid_bias = values["routed_bias"] and values["routed_score_func"] == "sigmoid"
+  layer = families.get(values["decoder_block"]).layer
+  if values["routed_bias"] and not sigmoid_bias and not layer.router_logit_bias:
+    raise ConfigError(
+      f"routed_bias=true under softmax routing is a bias on the router's logits, which decoder_block="
+      f"{values['decoder_block']} has not (gpt_oss has); set routed_score_func=sigmoid (DeepSeek-V3's choice bias) or "
+      "routed_bias=false"
+    )
   if values["routed_bias_update_rate"] < 0 or (values["routed_bias_update_rate"] > 0 and not sigmoid_bias):
     raise ConfigError(
       f"routed_bias_update_rate={values['routed_bias_update_rate']} must be >= 0, and updates the bias of "

@@ -217,6 +217,9 @@ class HFMapping:
   layout: Callable[[Config], Layout]
   ignored: Callable[[str, Config], bool] = not_parameters  # tensors of a checkpoint that are not parameters
   text_tower: TextTower | None = None  # the multimodal checkpoints holding this family's text model (import only)
+  # config.json's quantization_config.quant_method values whose tensors the importer dequantizes (gpt-oss's mxfp4,
+  # convert/mxfp4.py); any other quantized checkpoint is refused (check_quantization).
+  quantizations: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,11 +237,27 @@ SMALL = {"vocab_size": 96, "hidden_size": 48, "intermediate_size": 80, "num_hidd
 SMALL |= {"max_position_embeddings": 128}
 
 
+def check_quantization(mapping: HFMapping, hf: Mapping) -> None:
+  """A quantized checkpoint (config.json's quantization_config, e.g. DeepSeek-V3's and Kimi K2's fp8, Llama 4
+  Maverick's FP8 release, bitsandbytes 4-bit) imports only where the family's importer dequantizes its method."""
+  quantization = hf.get("quantization_config")
+  if not quantization:
+    return
+  method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) else quantization
+  if method not in mapping.quantizations:
+    itself = f" (the importer dequantizes {', '.join(mapping.quantizations)} itself)" if mapping.quantizations else ""
+    raise unsupported(
+      f"quantization_config ({method}) is not supported for {mapping.model_type}: its quantized weights cannot be "
+      f"read; dequantize them to bfloat16 first{itself}"
+    )
+
+
 def model_keys(mapping: HFMapping, decoder_block: str, hf: Mapping) -> dict:
   """Our model keys from a config.json of `mapping`'s model_type; ConfigError where the variant is unsupported."""
   archs = hf.get("architectures") or [mapping.architecture]
   if archs[0] != mapping.architecture:
     raise unsupported(f"architecture {archs[0]} is not supported; a causal LM ({mapping.architecture}) is needed")
+  check_quantization(mapping, hf)
   try:
     keys = mapping.read_config(hf)
   except KeyError as e:

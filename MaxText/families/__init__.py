@@ -135,6 +135,7 @@ def model_keys_from_hf(config_json: Mapping) -> dict:
   """Our model keys (decoder_block included) from a Hugging Face config.json, a causal LM's or a multimodal model's
   (its text model's keys); ConfigError if unsupported."""
   family = for_hf_config(config_json)
+  hf_families.check_quantization(family.hf, config_json)  # a multimodal checkpoint says it at its top level
   tower = text_tower(config_json)
   if tower is not None:
     config_json = tower.text_config(family.hf, config_json)

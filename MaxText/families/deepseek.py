@@ -69,12 +69,6 @@ def read_rope(config_json: Mapping) -> dict:
 
 
 def read(config_json: Mapping) -> dict:
-  if config_json.get("quantization_config"):
-    method = config_json["quantization_config"].get("quant_method", "?")
-    raise hf_families.unsupported(
-      f"quantization_config ({method}) is not supported: the weights are quantized (DeepSeek-V3's release is fp8); "
-      "dequantize them to bfloat16 first"
-    )
   if config_json.get("attention_bias"):
     raise hf_families.unsupported("attention_bias=true is not supported for deepseek")
   if config_json.get("hidden_act", "silu") != "silu" or config_json.get("topk_method", "noaux_tc") != "noaux_tc":

@@ -5,12 +5,11 @@ convert/mxfp4.py) and whose bfloat16 ones are read as they are."""
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample, bias, interleaved, linear, same
-from MaxText.families import Family, rope_rotates_pairs
+from MaxText.families import Family
 from MaxText.layers.gpt_oss import GptOssDecoderLayer
 from MaxText.layers.linears import CLAMPED_SWIGLU, SWIGLU_ALPHA
 
@@ -22,25 +21,7 @@ def layer_types(num_layers: int) -> list[str]:
   return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
-def check(values: Mapping[str, Any]) -> None:
-  rope_rotates_pairs(values)
-  limit, acts = values["mlp_activations_limit"], list(values["mlp_activations"])
-  if limit > 0 and tuple(acts) != CLAMPED_SWIGLU:
-    raise ConfigError(
-      f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, of mlp_activations={list(CLAMPED_SWIGLU)} "
-      f"(now {acts}); set those, or mlp_activations_limit=-1"
-    )
-
-
 def read(config_json: Mapping, keys: dict) -> dict:
-  quantization = config_json.get("quantization_config")
-  if quantization:
-    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else quantization
-    if method not in QUANTIZATIONS:
-      raise hf_families.unsupported(
-        f"quantization_config quant_method={method!r} is not supported for gpt_oss; mxfp4 (the published checkpoints, "
-        "dequantized exactly) or unquantized weights are"
-      )
   alpha = config_json.get("swiglu_alpha", SWIGLU_ALPHA)
   if alpha != SWIGLU_ALPHA:
     raise hf_families.unsupported(f"swiglu_alpha={alpha} is not supported; gpt-oss's clamped SwiGLU has {SWIGLU_ALPHA}")
@@ -118,8 +99,7 @@ YARN_64 = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_
 FAMILY = Family(
   "gpt_oss",
   GptOssDecoderLayer,
-  dataclasses.replace(LLAMA_LIKE, read_config=read_config, layout=layout),
-  check=check,
+  dataclasses.replace(LLAMA_LIKE, read_config=read_config, layout=layout, quantizations=QUANTIZATIONS),
   summary=(
     "biases on every attention projection, attention sinks, local (even) and global (odd) layers, a mixture of "
     "experts with router and expert biases and the clamped SwiGLU (`mlp_activations_limit`); MXFP4 import"

@@ -29,6 +29,8 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
   moe = True
   attention_sinks = True
+  router_logit_bias = True
+  clamped_swiglu = True
 
   @classmethod
   def sliding_window(cls, config: Config, layer_index) -> int | jax.Array:

@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types as ct
 from MaxText import lora, sharding
-from MaxText.common_types import Config, ConfigError
+from MaxText.common_types import Config
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
@@ -135,12 +135,7 @@ def gated_activation(projections: Sequence[jax.Array], config: Config) -> jax.Ar
   """
   projections = [checkpoint_name(p, "mlpwi") for p in projections]
   limit = config.mlp_activations_limit
-  if limit > 0:
-    if tuple(config.mlp_activations) != CLAMPED_SWIGLU:
-      raise ConfigError(
-        f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, of mlp_activations={list(CLAMPED_SWIGLU)}; "
-        f"set those or mlp_activations_limit=-1 (now mlp_activations={list(config.mlp_activations)})"
-      )
+  if limit > 0:  # pyconfig has checked the activations are CLAMPED_SWIGLU's
     gate, up = projections
     gate = jnp.minimum(gate, limit)
     return gate * nn.sigmoid(SWIGLU_ALPHA * gate) * (jnp.clip(up, -limit, limit) + 1)

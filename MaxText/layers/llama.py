@@ -73,6 +73,10 @@ class LlamaDecoderLayer(nn.Module):
   qk_norm: ClassVar[bool] = False  # Qwen 3: RMSNorm of each query and key head.
   qkv_bias: ClassVar[bool] = False  # Qwen 2: biases on the query, key and value projections (not the output's).
   attention_sinks: ClassVar[bool] = False  # gpt-oss: a learned sink logit per head (pyconfig refuses cuDNN for it).
+  # gpt-oss: routed_bias under softmax routing is a bias on the router's logits, and mlp_activations_limit clamps the
+  # SwiGLU; pyconfig refuses both for a layer without them (they would train what its checkpoint format cannot hold).
+  router_logit_bias: ClassVar[bool] = False
+  clamped_swiglu: ClassVar[bool] = False
   pre_mlp_norm_name: ClassVar[str] = "post_self_attention_layer_norm"  # Gemma 2: pre_ffw_norm.
   # What the config must say about the layer (pyconfig checks it), and where layers of another class come first.
   moe: ClassVar[bool] = False  # Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2.

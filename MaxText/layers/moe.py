@@ -68,7 +68,11 @@ def route_sigmoid(
   unbiased scores, renormalised to sum to 1 when `renormalize`.
   """
   scores_TN = jax.nn.sigmoid(logits_TN.astype(jnp.float32))
-  choice_TN = scores_TN if bias_N is None else scores_TN + bias_N.astype(jnp.float32)
+  # Without a bias or groups the choice goes by the logits, in the sigmoid's order but unsaturated: in float32 the
+  # sigmoids of logits above ~16.6 are all exactly 1 and would tie (Llama 4's router takes its top-k of the logits).
+  # Groups rank by sums of scores, which the logits' order does not give.
+  plain = bias_N is None and groups <= 0
+  choice_TN = logits_TN.astype(jnp.float32) if plain else scores_TN + (0.0 if bias_N is None else bias_N.astype(jnp.float32))
   if groups > 0:
     t, n = choice_TN.shape
     best_two = jax.lax.top_k(choice_TN.reshape(t, groups, n // groups), 2)[0]

@@ -226,7 +226,10 @@ BAD = {
     lambda d: _drop_tensor(d, EXPERTS + "gate_up_proj_blocks"),
     f"tensor {EXPERTS}gate_up_proj_scales is MXFP4 but {EXPERTS}gate_up_proj_blocks is missing",
   ),
-  "fp8": (lambda d: _edit_config(d, quantization_config={"quant_method": "fp8"}), "quant_method='fp8' is not supported"),
+  "fp8": (
+    lambda d: _edit_config(d, quantization_config={"quant_method": "fp8"}),
+    "quantization_config (fp8) is not supported for gpt_oss",
+  ),
   "swiglu_alpha": (lambda d: _edit_config(d, swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported"),
   "layer_types": (lambda d: _edit_config(d, layer_types=["full_attention"] * 3), "differ from gpt_oss's pattern"),
   "no_attention_bias": (lambda d: _edit_config(d, attention_bias=False), "attention_bias=false is not supported"),
@@ -254,6 +257,9 @@ def test_what_the_format_or_the_layer_cannot_hold_is_refused():
     families.hf_mapping(cfg).write_config(cfg)
   with pytest.raises(ConfigError, match=r"mlp_activations_limit=7.0 is gpt-oss's clamped SwiGLU.*\['silu', 'linear'\]"):
     config(*OSS_MOE, "mlp_activations=['silu','linear']", "mlp_activations_limit=7.0")
+  # Another family would train a clamped SwiGLU that its format (here Llama's hidden_act=silu) cannot hold.
+  with pytest.raises(ConfigError, match="mlp_activations_limit=7.0 is gpt-oss's clamped SwiGLU, which decoder_block=llama2"):
+    config("override_model_config=true", "mlp_activations=['sigmoid','linear']", "mlp_activations_limit=7.0")
   # The sinks cannot run on cuDNN: refused when the config is read, before any device work (the kernel refuses the
   # same when traced; attention_kernels_test).
   with pytest.raises(ConfigError, match="attention=cudnn_flash_te: cuDNN fused attention has no attention sinks"):
@@ -266,8 +272,42 @@ def test_what_the_format_or_the_layer_cannot_hold_is_refused():
 PUBLISHED = {"gpt-oss-20b": ("20.91", "3.61"), "gpt-oss-120b": ("116.83", "5.13")}
 
 
+# openai/gpt-oss-20b's and gpt-oss-120b's config.json as published (transformers 4.55's keys), written out here.
+def _published_config(layers: int, experts: int) -> dict:
+  hf = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0}
+  hf |= {"eos_token_id": 200002, "pad_token_id": 199999, "experts_per_token": 4, "num_experts_per_tok": 4}
+  hf |= {"head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "initializer_range": 0.02}
+  hf |= {"initial_context_length": 4096, "max_position_embeddings": 131072, "sliding_window": 128, "swiglu_limit": 7.0}
+  hf |= {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
+  hf |= {"num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": layers, "num_local_experts": experts}
+  hf |= {"output_router_logits": False, "router_aux_loss_coef": 0.9, "rms_norm_eps": 1e-05, "rope_theta": 150000}
+  hf |= {"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
+  hf["rope_scaling"]["original_max_position_embeddings"] = 4096
+  not_converted = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+  hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": not_converted}
+  return hf | {"tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+
+
+PUBLISHED_CONFIGS = {"gpt-oss-20b": _published_config(24, 32), "gpt-oss-120b": _published_config(36, 128)}
+
+
 def test_every_gpt_oss_preset_has_a_published_count():
-  assert sorted(families.presets("gpt_oss")) == sorted(PUBLISHED)
+  assert sorted(families.presets("gpt_oss")) == sorted(PUBLISHED) == sorted(PUBLISHED_CONFIGS)
+
+
+def test_published_config_json_gives_each_preset():
+  """Importing each published config.json (MXFP4, as published) gives exactly the preset's model keys (YaRN 32 from
+  4096 positions, theta 150000, beta 32 and 1, no truncation, the window of 128, the SwiGLU limit of 7): those the
+  preset file names, and base.yml's values for those it leaves to base.yml."""
+  import yaml
+
+  with open(BASE_YML, encoding="utf-8") as f:
+    base = yaml.safe_load(f)
+  for preset, published in PUBLISHED_CONFIGS.items():
+    with open(os.path.join(families.MODELS_DIR, f"{preset}.yml"), encoding="utf-8") as f:
+      yml = {k: v for k, v in yaml.safe_load(f).items() if k != "enable_dropout"}  # a training key, not the model's
+    keys = families.model_keys_from_hf(published)
+    assert keys == yml | {k: base[k] for k in keys.keys() - yml.keys()}, preset
 
 
 @pytest.mark.parametrize(
@@ -277,8 +317,7 @@ def test_every_gpt_oss_preset_has_a_published_count():
 def test_preset_parameter_counts_equal_transformers_and_the_model_card(preset):
   """Our parameters (abstract init), all and active (less the num_experts - num_experts_per_tok experts a token
   skips, biases included, in every layer), equal those of transformers' GptOssForCausalLM built on the meta device
-  from a GptOssConfig of the preset's dimensions (written out here, not by our exporter), counted from its modules;
-  and the model card's rounded figures."""
+  from the published config.json, counted from its modules; and the model card's rounded figures."""
   cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
   shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
   params = nn.meta.unbox(shapes)["params"]
@@ -288,18 +327,14 @@ def test_preset_parameter_counts_equal_transformers_and_the_model_card(preset):
   experts = sum(metrics.count_params(params["layers"]["mlp"][n]) for n in expert_names)
   active = total - experts * skipped_share
 
-  hf_cfg = transformers.GptOssConfig(
-    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=cfg.num_decoder_layers,
-    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=cfg.num_experts,
-    num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False,
-  )  # fmt: skip
+  published = PUBLISHED_CONFIGS[preset]
   with torch.device("meta"):
-    hf = transformers.GptOssForCausalLM(hf_cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**published))
   hf_total = sum(p.numel() for p in hf.parameters())
   hf_experts = sum(p.numel() for layer in hf.model.layers for p in layer.mlp.experts.parameters())
-  assert total == hf_total
-  assert active == hf_total - hf_experts * skipped_share
+  hf_share = (published["num_local_experts"] - published["num_experts_per_tok"]) / published["num_local_experts"]
+  assert (total, active) == (hf_total, hf_total - hf_experts * hf_share)
 
   embedding = metrics.count_params(params["token_embedder"])
-  for count, published in zip((total, active - embedding), PUBLISHED[preset], strict=True):
-    assert abs(count / 1e9 - float(published)) <= 0.005, (preset, count, published)
+  for count, figure in zip((total, active - embedding), PUBLISHED[preset], strict=True):
+    assert abs(count / 1e9 - float(figure)) <= 0.005, (preset, count, figure)

@@ -230,3 +230,24 @@ def test_imported_params_keep_their_values(tmp_path):
   q = sd["model.layers.1.self_attn.q_proj.weight"]  # [heads * head_dim, embed]
   np.testing.assert_array_equal(np.asarray(params["layers"]["self_attention"]["query"]["kernel"][1]), q.T.reshape(48, 6, 8))
   np.testing.assert_array_equal(np.asarray(params["token_embedder"]["embedding"]), sd["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_a_quantized_config_json_is_refused_unless_the_family_dequantizes_it(name):
+  """Every family's config.json with a quantization_config its importer cannot dequantize (bitsandbytes 4-bit here;
+  Llama 4 Maverick's FP8 release, DeepSeek-V3's fp8) is refused in one line naming it; the methods a family lists
+  (gpt-oss's mxfp4) are read."""
+  from MaxText.common_types import ConfigError
+
+  family, example = EXAMPLES[name]
+  hf = transformers.AutoConfig.for_model(family.hf.model_type, **example.config).to_dict()
+  hf.pop("quantization_config", None)
+  families.model_keys_from_hf(hf)
+  with pytest.raises(
+    ConfigError, match=rf"quantization_config \(bitsandbytes\) is not supported for {family.hf.model_type}"
+  ):
+    families.model_keys_from_hf(hf | {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})
+  for method in family.hf.quantizations:
+    assert families.model_keys_from_hf(
+      hf | {"quantization_config": {"quant_method": method}}
+    ) == families.model_keys_from_hf(hf)

@@ -1,7 +1,8 @@
 """The llama4 family beyond its Hugging Face parity (hf_checkpoint_test runs its examples: logits, greedy decoding
-and export against transformers): preset parameter counts against transformers' Llama4ForCausalLM, interleaved dense
-and MoE layers scanned by periods against the same layers unrolled, the FLOPs of chunked attention against a count of
-the mask, the published multimodal checkpoints' text model, and the config.json layer patterns refused in one line."""
+and export against transformers): the published config.json files read into the presets, whose parameter counts
+equal those of transformers' Llama4ForCausalLM built from them; interleaved dense and MoE layers scanned by periods
+against the same layers unrolled, the FLOPs of chunked attention against a count of the mask, the published
+multimodal checkpoints' text model, and the config.json layer patterns refused in one line."""
 
 import json
 
@@ -21,6 +22,39 @@ from MaxText.tests.helpers import BASE_YML, config, train_batch
 # Published sizes in billions (total, active): Meta's model cards. Scout's 109B total counts its vision encoder too,
 # so its text model's total is checked against transformers only.
 PUBLISHED = {"llama4-17b-16e": (None, "17"), "llama4-17b-128e": ("400", "17")}
+
+# The text_config of the published config.json files (meta-llama/Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E;
+# multimodal, Llama4ForConditionalGeneration, tie_word_embeddings false at the top), written out here; their token
+# ids, dtype, dropout, router loss and cache keys are left out. Unsure: (1) whether no_rope_layers and moe_layers are
+# in the files (absent, or no_rope_layers [], transformers derives every 4th layer NoPE and every
+# interleave_moe_layer_step-th MoE; test_published_config_json_gives_each_preset reads each form alike); (2) Scout's
+# RoPE scaling and max_position_embeddings, which an earlier revision of its file gave as factor 8,
+# high_freq_factor 4 and 262144: neither has parameters, so the counts do not depend on them (the keys test and the
+# RoPE frequencies below take the current file's). Scout's attn_temperature_tuning is 4 as published: transformers
+# 4.51 read it as true; 5.23's strict config refuses the int (even from_pretrained), so the count builds transformers'
+# model with bool(4); it scales the NoPE layers' queries and holds no parameters (Maverick's: 4 or true, unsure; either
+# reads as true).
+_TEXT = {"model_type": "llama4_text", "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 8192}
+_TEXT |= {"intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8}
+_TEXT |= {"head_dim": 128, "num_experts_per_tok": 1, "vocab_size": 202048, "rms_norm_eps": 1e-05, "rope_theta": 500000.0}
+_TEXT |= {"attention_bias": False, "attention_chunk_size": 8192, "attn_scale": 0.1, "floor_scale": 8192}
+_MULTIMODAL = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "tie_word_embeddings": False}
+_SCOUT_ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0}
+_SCOUT_ROPE |= {"original_max_position_embeddings": 8192}
+PUBLISHED_CONFIGS = {
+  "llama4-17b-16e": _MULTIMODAL
+  | {
+    "text_config": _TEXT
+    | {"num_local_experts": 16, "interleave_moe_layer_step": 1, "use_qk_norm": True, "attn_temperature_tuning": 4}
+    | {"max_position_embeddings": 10485760, "rope_scaling": _SCOUT_ROPE}
+  },
+  "llama4-17b-128e": _MULTIMODAL
+  | {
+    "text_config": _TEXT
+    | {"num_local_experts": 128, "interleave_moe_layer_step": 2, "use_qk_norm": False, "attn_temperature_tuning": True}
+    | {"max_position_embeddings": 1048576, "rope_scaling": None}
+  },
+}
 
 # A small interleaved model with every option: MoE in every 2nd of 4 layers, NoPE every 2nd, chunks of 5, QK norm,
 # temperature rising every 4 positions.
@@ -51,7 +85,35 @@ def _abstract_params(preset: str):
 
 
 def test_every_llama4_preset_has_a_published_count():
-  assert sorted(families.presets("llama4")) == sorted(PUBLISHED)
+  assert sorted(families.presets("llama4")) == sorted(PUBLISHED) == sorted(PUBLISHED_CONFIGS)
+
+
+def test_published_config_json_gives_each_preset():
+  """Importing each published config.json (through its text_config) gives exactly the preset's model keys: those
+  the preset file names, and base.yml's values for the routing and temperature keys it leaves to base.yml. The
+  same with the layer lists written out (no_rope_layers [] or transformers' derived lists, moe_layers too)."""
+  import yaml
+
+  with open(BASE_YML, encoding="utf-8") as f:
+    base = yaml.safe_load(f)
+  for preset, published in PUBLISHED_CONFIGS.items():
+    with open(f"{families.MODELS_DIR}/{preset}.yml", encoding="utf-8") as f:
+      yml = {k: v for k, v in yaml.safe_load(f).items() if k != "enable_dropout"}  # a training key, not the model's
+    text = published["text_config"]
+    derived = _hf_text_config(text)
+    variants = [text, text | {"no_rope_layers": []}]
+    variants.append(text | {"no_rope_layers": derived.no_rope_layers, "moe_layers": derived.moe_layers})
+    for variant in variants:
+      keys = families.model_keys_from_hf(published | {"text_config": variant})
+      assert keys == yml | {k: base[k] for k in keys.keys() - yml.keys()}, preset
+
+
+def _hf_text_config(text: dict):
+  """transformers' Llama4TextConfig of a published text_config. attn_temperature_tuning: 4 in Scout's file, which
+  transformers 4.51 read as true and 5.23 refuses as not a bool; given as bool (it holds no parameters)."""
+  transformers = pytest.importorskip("transformers")
+  keys = {k: v for k, v in text.items() if k != "model_type"}
+  return transformers.Llama4TextConfig(**keys | {"attn_temperature_tuning": bool(text["attn_temperature_tuning"])})
 
 
 @pytest.mark.parametrize(
@@ -63,9 +125,10 @@ def test_every_llama4_preset_has_a_published_count():
   ],
 )
 def test_preset_parameter_counts_equal_transformers(preset):
-  """Our parameters (abstract init) are exactly those of transformers' Llama4ForCausalLM (built on the meta device)
-  from a Llama4TextConfig of the preset's dimensions, written out here rather than by our exporter; the active ones
-  (less the experts each token skips) round to the published figures; the RoPE frequencies are transformers'."""
+  """Our parameters (abstract init), all and active (less the experts each token skips), are exactly those of
+  transformers' Llama4ForCausalLM built on the meta device from the published config.json's text_config, there
+  active less the skipped experts' share of each stacked expert tensor ([experts, ...]); the active ones round to
+  the published figures; the RoPE frequencies are transformers' of the published file."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   params, cfg = _abstract_params(preset)
@@ -76,27 +139,19 @@ def test_preset_parameter_counts_equal_transformers(preset):
     if published is not None:
       assert abs(count / 1e9 - float(published)) < 1.0, (preset, count, published)
 
-  rope = None
-  if cfg.rope_type == "llama3.1":
-    rope = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor}
-    rope |= {"high_freq_factor": cfg.rope_high_freq_factor, "original_max_position_embeddings": 8192}
-  hf_cfg = transformers.Llama4TextConfig(
-    vocab_size=cfg.vocab_size,
-    hidden_size=cfg.emb_dim,
-    intermediate_size=cfg.moe_mlp_dim,
-    intermediate_size_mlp=cfg.mlp_dim,
-    num_hidden_layers=cfg.num_decoder_layers,
-    num_attention_heads=cfg.num_query_heads,
-    num_key_value_heads=cfg.num_kv_heads,
-    head_dim=cfg.head_dim,
-    num_local_experts=cfg.num_experts,
-    interleave_moe_layer_step=cfg.interleave_moe_layer_step,
-    rope_parameters=(rope or {"rope_type": "default"}) | {"rope_theta": cfg.rope_max_timescale},
-  )
+  text = PUBLISHED_CONFIGS[preset]["text_config"]
+  hf_cfg = _hf_text_config(text)
   with torch.device("meta"):
     hf = transformers.Llama4ForCausalLM(hf_cfg)
-  assert sum(p.numel() for p in hf.parameters()) == total
-  if rope is not None:  # Scout's Llama 3 scaling, by transformers' own function (the meta model holds no values)
+  experts, chosen = text["num_local_experts"], text["num_experts_per_tok"]
+  hf_total, hf_skipped = 0, 0
+  for name, p in hf.named_parameters():
+    hf_total += p.numel()
+    if ".feed_forward.experts." in name:
+      assert p.shape[0] == experts, name
+      hf_skipped += p.numel() // experts * (experts - chosen)
+  assert (hf_total, hf_total - hf_skipped) == (total, active)
+  if text["rope_scaling"] is not None:  # Scout's Llama 3 scaling, by transformers' own function (no values on meta)
     inv_freq = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")[0]
     np.testing.assert_allclose(embeddings.rope_frequencies(cfg, cfg.head_dim), inv_freq.numpy(), rtol=1e-6)
 
