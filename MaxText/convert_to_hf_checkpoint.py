@@ -105,12 +105,14 @@ def export(config: Config) -> str:
     params = lora.merge(params, config) if config.hf_lora_export == "merged" else lora.partition(params)[1]
     config = pyconfig.replace(config, lora_rank=0, hf_lora_export="merged", hf_lora_adapter_path="")
 
+  bos = tokenizer.bos_id if tokenizer and tokenizer.bos_id >= 0 else None
+  eos = tokenizer.eos_id if tokenizer and tokenizer.eos_id >= 0 else None
+  # Before any tensor is written: what the format cannot hold (write_config's refusals) fails in seconds.
+  hf_config = hf_families.hf_config(mapping, config, dtype, bos, eos)
   with staged(out) as staging:
     count = write_shards(staging, hf_tensors(config, mapping, params), config.hf_max_shard_size_mb * 10**6)
-    bos = tokenizer.bos_id if tokenizer and tokenizer.bos_id >= 0 else None
-    eos = tokenizer.eos_id if tokenizer and tokenizer.eos_id >= 0 else None
     with open(os.path.join(staging, "config.json"), "w") as f:
-      json.dump(hf_families.hf_config(mapping, config, dtype, bos, eos), f, indent=2)
+      json.dump(hf_config, f, indent=2)
     if tokenizer:
       path = os.path.expanduser(config.tokenizer_path)
       shutil.copy(path, os.path.join(staging, TOKENIZER_FILES[config.tokenizer_type]))

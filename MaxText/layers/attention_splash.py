@@ -117,9 +117,26 @@ def _splash_one_device(q, k, v, segment_ids, sinks, block_sizes, settings: Atten
   ids = splash.SegmentIds(segment_ids, segment_ids)
   if sinks is None:
     return jax.vmap(kernel)(q, k, v, ids)
-  # In the queries' dtype: splash returns the sinks' gradient in the activations' dtype whatever the sinks' own, and
-  # a float32 sink with a bfloat16 gradient breaks the switch over windows (its branches' gradients must agree).
-  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, sinks.astype(q.dtype))
+  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, _gradient_in_float32(sinks))
+
+
+@jax.custom_vjp
+def _gradient_in_float32(sinks: jax.Array) -> jax.Array:
+  """The float32 sinks themselves, whose gradient comes back float32: splash returns the sinks' gradient in the
+  activations' dtype (bfloat16) whatever theirs, which the switch over windows refuses (its branches' gradients must
+  agree), while rounding the sinks themselves to bfloat16 would change the forward pass against the other kernels."""
+  return sinks
+
+
+def _gradient_in_float32_fwd(sinks):
+  return sinks, None
+
+
+def _gradient_in_float32_bwd(_, gradient):
+  return (gradient.astype(jnp.float32),)
+
+
+_gradient_in_float32.defvjp(_gradient_in_float32_fwd, _gradient_in_float32_bwd)
 
 
 def splash_attention(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=None) -> jax.Array:

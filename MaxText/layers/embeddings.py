@@ -64,8 +64,11 @@ def rope_scale(config: Config) -> float:
   return 1.0
 
 
-def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
+def rope_frequencies(config: Config, head_dim: int, theta: float | None = None) -> np.ndarray:
   """Angular frequency of each rotated pair, [head_dim // 2], computed in float64 and returned as float32.
+
+  `theta`: a base other than rope_max_timescale, with RoFormer's frequencies unscaled whatever rope_type says (Gemma
+  3's local layers); None: the config's RoPE.
 
   timescale_i = min * (max / min) ** (2i / head_dim) (RoFormer, Su et al. 2021, arXiv:2104.09864, with
   theta = rope_max_timescale). rope_type=llama3.1 rescales low frequencies as in Llama 3.1 (arXiv:2407.21783,
@@ -77,8 +80,10 @@ def rope_frequencies(config: Config, head_dim: int) -> np.ndarray:
   The frequencies depend only on the config, so they are constants of the compiled program.
   """
   fraction = 2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim
-  lo, hi = float(config.rope_min_timescale), float(config.rope_max_timescale)
+  lo, hi = float(config.rope_min_timescale), float(config.rope_max_timescale if theta is None else theta)
   freq = 1.0 / (lo * (hi / lo) ** fraction)
+  if theta is not None:
+    return freq.astype(np.float32)
   if config.rope_type == "llama3.1":
     old_len = float(config.rope_original_max_position)
     low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_scaling_factor

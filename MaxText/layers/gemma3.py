@@ -6,13 +6,12 @@ MLP, query_pre_attn_scalar) with three changes, as the report and Hugging Face's
 - QK-norm: each query and key head is RMS-normalised (Gemma's 1 + w scale, one scale for all heads) before RoPE;
   the report replaces Gemma 2's attention soft cap with it.
 - Five local layers to one global layer: layer i attends globally when (i + 1) % 6 == 0 (transformers' layer_types
-  from sliding_window_pattern=6), the others within sliding_window_size; local layers keep the KV cache short.
+  from sliding_window_pattern=6), the others within sliding_window_size (the decode cache still holds every
+  position for them: README, Attention kernels).
 - Two RoPEs: local layers rotate with theta local_rope_max_timescale (10k), global layers with rope_max_timescale
   (1M) and their positions divided by rope_linear_scaling_factor (8 in the 4B, 12B and 27B models: the report's
   context extension to 128k, Hugging Face's "linear" rope scaling).
 """
-
-import types
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +42,8 @@ def rope_frequencies_by_kind(config: Config) -> tuple[np.ndarray, np.ndarray]:
   """(local, global) angular frequencies [head_dim // 2]: RoFormer's at each kind's theta; the global layers'
   divided by rope_linear_scaling_factor, which is dividing their positions by it (linear position interpolation,
   Chen et al. 2023, arXiv:2306.15595)."""
-  # rope_frequencies reads only the timescales and rope_type for default RoPE (pyconfig keeps gemma3 at "default").
-  local = types.SimpleNamespace(
-    rope_min_timescale=config.rope_min_timescale, rope_max_timescale=local_rope_theta(config), rope_type="default"
-  )
   global_ = rope_frequencies(config, config.head_dim) / np.float32(config.rope_linear_scaling_factor)
-  return rope_frequencies(local, config.head_dim), global_
+  return rope_frequencies(config, config.head_dim, theta=local_rope_theta(config)), global_
 
 
 class Gemma3Attention(Attention):

@@ -59,7 +59,11 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
 
 def attention_temperature(config: Config, positions: jax.Array) -> jax.Array:
   """The NoPE layers' query scale at positions [batch, length]: log(floor((p + 1) / floor_scale) + 1) * scale + 1
-  (transformers' attn_temperature_tuning, with attn_scale and floor_scale), float32 [batch, length]."""
+  (transformers' attn_temperature_tuning, with attn_scale and floor_scale), float32 [batch, length].
+
+  By each token's position in its document, where transformers takes its index in the batch row (ignoring
+  position_ids): the same for one right-padded document per row (the parity tests), but packed documents here each
+  start at 1, and a left-padded row in transformers counts its padding."""
   floor = jnp.floor((positions.astype(jnp.float32) + 1.0) / config.temperature_tuning_floor_scale)
   return jnp.log1p(floor) * config.temperature_tuning_scale + 1.0
 

@@ -8,6 +8,7 @@ runs in Pallas interpret mode; cuDNN's numerics need a GPU (skipped here), but i
 `jax.nn.dot_product_attention`'s XLA path, and its refusals are checked on the CPU.
 """
 
+import functools
 import re
 import types
 
@@ -437,6 +438,31 @@ def test_splash_chunks_and_sinks_match_dot_product(kv_heads, window, chunk, trac
     else _out_and_all_grads(lambda *a: splash(*a, chunk), q, k, v, sinks, w, seg, pos)
   )
   _assert_all_close(got, _out_and_all_grads(_settings_reference(window, chunk), q, k, v, sinks, w, seg, pos))
+
+
+def test_splash_sinks_in_bfloat16_under_a_traced_window_keep_a_float32_gradient():
+  """bfloat16 activations, float32 sinks, a traced window (the switch between splash's causal and local kernels and
+  blockwise): splash returns the sinks' gradient in bfloat16, which the switch refused when gpt-oss-120b was compiled
+  for TPU; it comes back float32 and equals the reference's within bfloat16's precision."""
+  cfg = _config(sliding_window_size=40)
+  q, k, v, w, seg, pos = _inputs(1, 256, 2, 1, docs=(150,), dtype=jnp.bfloat16)
+  sinks = _sinks(2)
+
+  def loss(attention, sinks, window):
+    return jnp.sum(attention(q, k, v, sinks, seg, pos, window).astype(jnp.float32) * w)
+
+  def splash(q, k, v, sinks, seg, pos, window):
+    settings = AttentionSettings.from_config(cfg, window=window, sinks=sinks, interpret=True)
+    return ak.splash_attention(q, k, v, seg, pos, settings)
+
+  def reference(q, k, v, sinks, seg, pos, window):
+    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, 0, sinks, precision=HIGHEST))
+
+  for window in (40, 0):
+    got = jax.jit(jax.grad(functools.partial(loss, splash)))(sinks, jnp.int32(window))
+    want = jax.grad(functools.partial(loss, reference))(sinks, window)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(want))), err_msg=f"{window=}")
 
 
 def test_splash_refuses_sinks_it_does_not_have(monkeypatch):
