@@ -25,6 +25,10 @@ import jax  # noqa: E402  (after XLA_FLAGS: the device count is read when jax st
 jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "maxtext_tests", "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# A size limit turns on JAX's file lock around every read and write of the cache (lru_cache.LRUCache): the two xdist
+# workers share it, and JAX writes an entry in place, so without the lock a worker could read another's half-written
+# entry, which aborts the process (a CI run did abort so, reading the cache in pipeline_test).
+jax.config.update("jax_compilation_cache_max_size", 16 * 2**30)
 
 # The parity tests' references (pytest.importorskip in hf_checkpoint_test, logit_checker_test, lora_test, moe_test).
 PARITY_REFERENCES = ("torch", "transformers", "peft")
