@@ -8,7 +8,6 @@ family's own importer. qwen2's cases run in the quick loop; every other family's
 of the same test as their fast sibling (each family adds its layer to the same loop, step and checkpoints).
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -72,20 +71,6 @@ def _train_command(model, tmp_path, run_name: str, metrics: str) -> list[str]:
   return [sys.executable, "MaxText/train.py", BASE_YML, *overrides(*args)]
 
 
-def _complete_losses(path) -> dict[int, float]:
-  """{step: loss} of a metrics file whose last line the kill may have cut short (that line is left out)."""
-  losses = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except ValueError:
-        continue
-      if "learning/loss" in record:
-        losses[record["step"]] = record["learning/loss"]
-  return losses
-
-
 def _final_params(model, tmp_path, run_name: str) -> dict:
   """The parameters of the run's latest checkpoint, as stored."""
   cfg = config(*model, *KILL_RUN, f"run_name={run_name}", f"base_output_directory={tmp_path}")
@@ -130,7 +115,7 @@ def test_a_run_killed_with_kill_9_resumes_exactly(name, tmp_path):
   assert sorted(straight) == list(range(10))
   after = metrics_losses(tmp_path / "resumed.jsonl")
   assert after and min(after) >= 2 and sorted(after) == list(range(min(after), 10)), sorted(after)
-  for step, loss in (_complete_losses(tmp_path / "killed.jsonl") | after).items():
+  for step, loss in (metrics_losses(tmp_path / "killed.jsonl", killed=True) | after).items():
     assert loss == straight[step], f"step {step}: {loss} != {straight[step]}"
   want, got = _final_params(model, tmp_path, "straight"), _final_params(model, tmp_path, "killed")
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):

@@ -29,7 +29,7 @@ from MaxText import checkpointing, storage, train_tokenizer
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
 from MaxText.tests import gcs
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides, run
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, metrics_losses, overrides, run
 
 BUCKET = "maxtext-test"
 # Saves to the emulator take a few tenths of a second: 30 of them leave time to kill the run after checkpoint 20.
@@ -51,20 +51,6 @@ def _train(env, *args, wait=True):
   if wait:
     return run(command, env, timeout=600)
   return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _losses(path) -> dict[int, float]:
-  """{step: loss} of a metrics file; a line cut short by kill -9 is left out."""
-  losses = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except ValueError:
-        continue
-      if "learning/loss" in record:
-        losses[record["step"]] = record["learning/loss"]
-  return losses
 
 
 @pytest.mark.slow
@@ -89,12 +75,12 @@ def test_a_run_on_a_bucket_is_killed_and_resumes_from_it_exactly(bucket, tmp_pat
   saved = storage.listdir(f"{runs}/killed/checkpoints")
   assert "300" not in saved, f"the run finished before it was killed: {saved}"
 
-  logged = max(_losses(tmp_path / "k.jsonl"))  # the last step the killed run logged
+  logged = max(metrics_losses(tmp_path / "k.jsonl", killed=True))  # the last step the killed run logged
   resumed = _train(env, *args)
   assert resumed.returncode == 0, resumed.stderr
   first = int(resumed.stdout.split(f"resumed from {runs}/killed/checkpoints/", 1)[1].split(" ", 1)[0])
   assert first >= 20 and "arrays verified" in resumed.stdout
-  want, got = _losses(tmp_path / "s.jsonl"), _losses(tmp_path / "k.jsonl")
+  want, got = metrics_losses(tmp_path / "s.jsonl"), metrics_losses(tmp_path / "k.jsonl", killed=True)
   assert all(got[step] == want[step] for step in range(first, 300)), "the losses after the resume differ"
 
   names = storage.listdir(f"{runs}/killed")

@@ -13,7 +13,7 @@ from flax import linen as nn
 from MaxText import convert_hf_checkpoint, families, metrics
 from MaxText.layers import models
 from MaxText.layers.gemma3 import Gemma3DecoderLayer
-from MaxText.tests.helpers import BASE_YML, config
+from MaxText.tests.helpers import BASE_YML, abstract_params, config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -101,19 +101,13 @@ def test_published_config_json_gives_each_preset():
     assert families.model_keys_from_hf(published) == yml, preset
 
 
-def _abstract_params(preset: str):
-  cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
-  shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
-  return nn.meta.unbox(shapes)["params"], cfg
-
-
 @pytest.mark.parametrize(
   "preset", [pytest.param(p, marks=[] if p == "gemma3-1b" else [pytest.mark.slow]) for p in PRESETS]
 )  # the 1B runs in the quick loop; the others, the same count on bigger shapes, are slow-marked beside it
 def test_preset_parameter_count_equals_transformers(preset):
   """Our parameters (abstract init) are exactly those of transformers' Gemma3ForCausalLM (built on the meta device)
   from a Gemma3TextConfig of the preset's dimensions, written out here rather than by our exporter."""
-  params, cfg = _abstract_params(preset)
+  params, cfg = abstract_params(preset)
   hf_cfg = transformers.Gemma3TextConfig(
     vocab_size=cfg.vocab_size,
     hidden_size=cfg.emb_dim,

@@ -123,10 +123,29 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def metrics_losses(path) -> dict[int, float]:
-  """{step: loss} of a metrics_file (JSON lines)."""
+def metrics_losses(path, killed: bool = False) -> dict[int, float]:
+  """{step: loss} of a metrics_file (JSON lines). `killed`: the file of a run killed with kill -9, perhaps resumed
+  since, so a line cut short is left out; otherwise every line must be whole."""
+  rows = []
   with open(path, encoding="utf-8") as f:
-    return {row["step"]: row["learning/loss"] for row in map(json.loads, f) if "learning/loss" in row}
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except ValueError:
+        if not killed:
+          raise
+  return {row["step"]: row["learning/loss"] for row in rows if "learning/loss" in row}
+
+
+def abstract_params(preset: str):
+  """(parameters as shapes only, the Config) of model preset `preset`: jax.eval_shape, nothing is allocated."""
+  from flax import linen as nn
+
+  from MaxText.layers import models
+
+  cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
+  shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
+  return nn.meta.unbox(shapes)["params"], cfg
 
 
 def array_files(step_dir: str) -> list[str]:

@@ -17,7 +17,7 @@ from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import embeddings, models
 from MaxText.layers.attention_masks import Tokens
-from MaxText.tests.helpers import BASE_YML, config, train_batch
+from MaxText.tests.helpers import BASE_YML, abstract_params, config, train_batch
 
 # Published sizes in billions (total, active): Meta's model cards. Scout's 109B total counts its vision encoder too,
 # so its text model's total is checked against transformers only.
@@ -78,12 +78,6 @@ TINY_LLAMA4 = (
 )
 
 
-def _abstract_params(preset: str):
-  cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
-  shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
-  return nn.meta.unbox(shapes)["params"], cfg
-
-
 def test_every_llama4_preset_has_a_published_count():
   assert sorted(families.presets("llama4")) == sorted(PUBLISHED) == sorted(PUBLISHED_CONFIGS)
 
@@ -131,7 +125,7 @@ def test_preset_parameter_counts_equal_transformers(preset):
   the published figures; the RoPE frequencies are transformers' of the published file."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  params, cfg = _abstract_params(preset)
+  params, cfg = abstract_params(preset)
   total = metrics.count_params(params)
   moe_layers = cfg.num_decoder_layers // cfg.interleave_moe_layer_step
   active = total - (cfg.num_experts - 1) * 3 * cfg.emb_dim * cfg.moe_mlp_dim * moe_layers

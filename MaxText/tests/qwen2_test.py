@@ -2,13 +2,10 @@
 model of the same dimensions, and biases on the query, key and value projections only. The family's parity with
 transformers (logits, decoding, export) is tested in hf_checkpoint_test with the other families."""
 
-import jax
 import pytest
-from flax import linen as nn
 
 from MaxText import families, metrics
-from MaxText.layers import models
-from MaxText.tests.helpers import config
+from MaxText.tests.helpers import abstract_params
 
 # The published bfloat16 checkpoints' parameters: metadata.total_size of Qwen/Qwen2.5-*'s model.safetensors.index.json
 # (or the one file's size) halved. The model cards round differently (32B's says 32.5B).
@@ -22,13 +19,6 @@ PUBLISHED = {
 }
 
 
-def _abstract_params(preset: str):
-  """The preset's parameters as shapes only (jax.eval_shape: nothing is allocated), and its Config."""
-  cfg = config(f"model_name={preset}", "max_target_length=8", "per_device_batch_size=1")
-  shapes = jax.eval_shape(lambda: models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8)))
-  return nn.meta.unbox(shapes)["params"], cfg
-
-
 def test_every_qwen2_preset_has_a_published_count():
   assert sorted(families.presets("qwen2")) == sorted(PUBLISHED)
 
@@ -40,7 +30,7 @@ def test_preset_parameter_count_equals_the_checkpoint_and_transformers(preset):
   than by our exporter."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  params, cfg = _abstract_params(preset)
+  params, cfg = abstract_params(preset)
   total = metrics.count_params(params)
   assert total == PUBLISHED[preset]
 
@@ -60,7 +50,7 @@ def test_preset_parameter_count_equals_the_checkpoint_and_transformers(preset):
 
 
 def test_biases_are_on_the_query_key_and_value_projections_only():
-  params, _ = _abstract_params("qwen2.5-0.5b")
+  params, _ = abstract_params("qwen2.5-0.5b")
   attention = params["layers"]["self_attention"]
   assert {name for name, p in attention.items() if "bias" in p} == {"query", "key", "value"}
   assert not any("bias" in p for p in params["layers"]["mlp"].values())
