@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, kv_cache
 from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale, yarn_mscale
 from MaxText.layers.linears import PRECISIONS, DenseGeneral
@@ -40,25 +40,29 @@ def _pad_last(x: jax.Array, size: int) -> jax.Array:
   return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def latent_cached_attention(q_latent, q_pe, latent, k_pe, *, cache_latent, cache_pe, cache_mask, precision):
-  """One new token per row attending to the latent cache and to itself; returns the weighted latent.
+def latent_cached_attention(q_latent, q_pe, latent, k_pe, *, cache, cache_mask, positions, precision):
+  """New tokens attending to the latent cache and to each other; returns the weighted latents.
 
-  q_latent [batch, 1, heads, kv_lora_rank] (the query's no-RoPE part times W_k^T) and q_pe [batch, 1, heads,
-  rope_dim], both scaled; latent [batch, 1, 1, kv_lora_rank] and k_pe [batch, 1, 1, rope_dim], the new token's;
-  cache_latent, cache_pe [batch, cache_len, 1, ...] with cache_mask [batch, cache_len]. Returns sum_s w_s c_s,
-  [batch, 1, heads, kv_lora_rank], in the latent's dtype: one softmax over [cache slots, new token].
+  q_latent [batch, t, heads, kv_lora_rank] (the query's no-RoPE part times W_k^T) and q_pe [batch, t, heads,
+  rope_dim], both scaled; latent [batch, t, 1, kv_lora_rank] and k_pe [batch, t, 1, rope_dim], the new tokens';
+  cache (latent, k_pe) [batch, cache_len, 1, ...] with cache_mask [batch, cache_len]; positions [batch, t] (a new
+  token sees the new tokens at or before its position). Returns sum_s w_s c_s, [batch, t, heads, kv_lora_rank], in
+  the latent's dtype: one softmax over [cache slots, new tokens].
   """
 
-  def scores(c, pe):  # [batch, heads, 1, slots] in float32
+  def scores(c, pe):  # [batch, heads, t, slots] in float32
     nope = jnp.einsum("bthr,bsr->bhts", q_latent, c[:, :, 0], precision=precision, preferred_element_type=jnp.float32)
     rope = jnp.einsum("bthp,bsp->bhts", q_pe, pe[:, :, 0], precision=precision, preferred_element_type=jnp.float32)
     return nope + rope
 
+  cache_latent, cache_pe = cache
   past = jnp.where(cache_mask[:, None, None, :], scores(cache_latent, cache_pe), MASK_VALUE)
-  own = scores(latent, k_pe)
+  causal = positions[:, :, None] >= positions[:, None, :]
+  own = jnp.where(causal[:, None], scores(latent, k_pe), MASK_VALUE)
   weights = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1).astype(latent.dtype)
-  out = jnp.einsum("bhts,bsr->bthr", weights[..., :-1], cache_latent[:, :, 0], precision=precision)
-  return out + jnp.einsum("bht,btr->bthr", weights[..., -1], latent[:, :, 0], precision=precision)
+  slots = cache_latent.shape[1]
+  out = jnp.einsum("bhts,bsr->bthr", weights[..., :slots], cache_latent[:, :, 0], precision=precision)
+  return out + jnp.einsum("bhtu,bur->bthr", weights[..., slots:], latent[:, :, 0], precision=precision)
 
 
 class MLA(nn.Module):
@@ -68,7 +72,7 @@ class MLA(nn.Module):
   q_lora_rank], q_norm, wq_b [q_lora_rank, heads, qk_head_dim]; wkv_a [embed, kv_lora_rank + qk_rope_head_dim],
   kv_norm, wkv_b [kv_lora_rank, heads, qk_nope_head_dim + v_head_dim]; out [heads, v_head_dim, embed]. Each head's
   query and key are [no-RoPE part, RoPE part]. kv, outside train mode, is the cache's (latent, k_pe) of the
-  module docstring; in autoregressive mode `cache` is (latent, k_pe) of the cache (Attention's call otherwise).
+  module docstring; in autoregressive mode `cache` holds (latent, k_pe), contiguous or paged (layers/kv_cache.py).
   """
 
   config: Config
@@ -106,15 +110,15 @@ class MLA(nn.Module):
     if self.model_mode == ct.MODEL_MODE_AUTOREGRESSIVE:
       w, _ = wkv_b(latent, weights_only=True)  # [rank, heads, nope + v_dim] in the activation dtype
       q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w[..., :nope], precision=precision)
-      cache_latent, cache_pe = (sharding.constrain(c, ct.LATENT_CACHE_AXES, self.mesh, cfg) for c in cache)
+      cache_latent, cache_pe = (sharding.constrain(c, ct.LATENT_CACHE_AXES, self.mesh, cfg) for c in kv_cache.rows(cache))
       ctx = latent_cached_attention(
         q_latent,
         q_pe,
         latent,
         k_pe,
-        cache_latent=cache_latent,
-        cache_pe=cache_pe,
+        cache=(cache_latent, cache_pe),
         cache_mask=cache_mask,
+        positions=positions,
         precision=precision,
       )
       out = jnp.einsum("bthr,rhv->bthv", ctx, w[..., nope:], precision=precision)

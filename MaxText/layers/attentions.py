@@ -8,40 +8,47 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, kv_cache
 from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, sink_softmax, soft_cap, within_chunk, within_window
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale
 from MaxText.layers.linears import DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
 
 
-def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, positions=None, cache_positions=None):
-  """One new token per row attending to the KV cache and to itself (autoregressive decoding).
+def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, positions, cache_positions):
+  """New tokens attending to the KV cache and to each other (decoding: one token per row; a prompt's later chunks).
 
-  q: [batch, 1, heads, head_dim] (scaled); k, v: [batch, 1, kv_heads, head_dim], the new token's;
-  cache: (keys, values) [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots
-  holding this row's earlier tokens; settings: window, chunk, sinks, cap, precision; positions [batch, 1] and
-  cache_positions [batch, cache_len], the token positions, matter only for sliding-window and chunked attention.
-  The cache is read in place (the new token is not written into it here): one softmax over [cache slots, new token].
-  Local (windowed, chunked) layers keep every slot too: the cache is one array stacked over the scanned layers, so
-  no layer can hold a shorter ring buffer (README, Attention kernels); the masks here keep the answer exact.
+  q: [batch, t, heads, head_dim] (scaled); k, v: [batch, t, kv_heads, head_dim], the new tokens'; cache: (keys,
+  values) [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots holding this row's
+  earlier tokens; positions [batch, t] and cache_positions [batch, cache_len], the token positions (a new token sees
+  the new tokens at or before its position, and the window and chunk apply to both parts); settings: window,
+  chunk, sinks, cap, precision. The cache is read in place (the new tokens are not written into it here): one
+  softmax over [cache slots, new tokens]. Local (windowed, chunked) layers keep every slot too: the cache is one
+  array stacked over the scanned layers, so no layer can hold a shorter ring buffer (README, Attention kernels);
+  the masks here keep the answer exact.
   """
   cache_k, cache_v = cache
   precision, window, cap = settings.precision, settings.window, settings.cap
   b, t, h, d = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
+
+  def visible(k_pos):  # [batch, t, keys]: which keys at positions k_pos [batch, keys] each new token may see
+    q_pos = positions[:, :, None]
+    k_pos = k_pos[:, None, :]
+    return within_window(q_pos, k_pos, window) & within_chunk(q_pos, k_pos, settings.chunk)
+
   past = jnp.einsum("btkgd,bskd->bkgts", q, cache_k, precision=precision, preferred_element_type=jnp.float32)
-  visible = cache_mask
-  if positions is not None:
-    visible = visible & within_window(positions, cache_positions, window)
-    visible = visible & within_chunk(positions, cache_positions, settings.chunk)
-  past = jnp.where(visible[:, None, None, None, :], soft_cap(past, cap), MASK_VALUE)
-  own = jnp.einsum("btkgd,btkd->bkgt", q, k, precision=precision, preferred_element_type=jnp.float32)[..., None]
+  past_mask = cache_mask[:, None, :] & visible(cache_positions)
+  past = jnp.where(past_mask[:, None, None], soft_cap(past, cap), MASK_VALUE)
+  own = jnp.einsum("btkgd,bukd->bkgtu", q, k, precision=precision, preferred_element_type=jnp.float32)
+  own_mask = (positions[:, :, None] >= positions[:, None, :]) & visible(positions)
+  own = jnp.where(own_mask[:, None, None], soft_cap(own, cap), MASK_VALUE)
   sinks = None if settings.sinks is None else settings.sinks.reshape(kv, h // kv)
-  weights = sink_softmax(jnp.concatenate([past, soft_cap(own, cap)], axis=-1), sinks).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights[..., :-1], cache_v, precision=precision)
-  out = out + jnp.einsum("bkgt,btkd->btkgd", weights[..., -1], v, precision=precision)
+  weights = sink_softmax(jnp.concatenate([past, own], axis=-1), sinks).astype(v.dtype)
+  slots = cache_k.shape[1]
+  out = jnp.einsum("bkgts,bskd->btkgd", weights[..., :slots], cache_v, precision=precision)
+  out = out + jnp.einsum("bkgtu,bukd->btkgd", weights[..., slots:], v, precision=precision)
   return out.reshape(b, t, h, -1)
 
 
@@ -50,9 +57,9 @@ class Attention(nn.Module):
 
   x [batch, length, embed], segment_ids and positions [batch, length] -> (out [batch, length, embed], kv).
   In train mode kv is None. In prefill mode kv is this layer's (keys, values) [batch, length, kv_heads,
-  head_dim], keys after RoPE, for the cache. In autoregressive mode length is 1, `cache` is this layer's
-  (keys, values) [batch, cache_len, kv_heads, head_dim] with `cache_mask` [batch, cache_len] and the slots'
-  `cache_positions`, and kv is the new token's (keys, values), which the caller writes into the cache.
+  head_dim], keys after RoPE, for the cache. In autoregressive mode the tokens are new ones after those in `cache`,
+  this layer's cache (layers/kv_cache.py: contiguous or paged) with `cache_mask` [batch, cache_len] and the slots'
+  `cache_positions`, and kv is the new tokens' (keys, values), which the caller writes into the cache.
 
   Family options: use_bias (GPT), use_qkv_bias (Qwen 2: biases on the query, key and value projections only),
   use_rope (all but GPT, which has learned positions), use_qk_norm (Qwen 3: RMSNorm of each query and key head
@@ -132,7 +139,7 @@ class Attention(nn.Module):
     q = q * jnp.asarray((cfg.query_pre_attn_scalar or head_dim) ** -0.5, q.dtype)
     settings = self.settings(sliding_window, layer_index)
     if self.model_mode == ct.MODEL_MODE_AUTOREGRESSIVE:
-      cache = tuple(sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in cache)
+      cache = tuple(sharding.constrain(c, ct.CACHE_AXES, self.mesh, cfg) for c in kv_cache.rows(cache))
       out = cached_attention(q, k, v, cache, cache_mask, settings, positions, cache_positions)
     else:
       mode = self.model_mode

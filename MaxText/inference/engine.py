@@ -1,0 +1,711 @@
+"""The inference engine: continuous batching over a fixed number of decode slots, on a paged KV cache.
+
+decode.py, serve.py, evaluation and reinforcement-learning rollouts all generate through it.
+
+A request waits in a queue until a slot is free and the pages its prompt and max_tokens may need are available
+(`admit`). Its prompt is then prefilled into its pages: in one call, or with use_chunked_prefill in chunks of
+prefill_chunk_size, one chunk per round between the running requests' decode steps, so a long prompt does not
+stall them. The first chunk of a prompt runs the model's prefill mode (the training attention kernels); later
+chunks, and a prompt whose first pages came from the prefix cache, attend to the cache (`extend`, the same
+function a decode step runs with one token per slot). The prefill samples the request's first token; from then
+on its slot generates with the others in `generate`, one compiled `lax.while_loop` of up to
+decode_steps_per_dispatch steps per call. The loop ends early when a slot finishes while a request waits, so the
+slot is refilled at once; the host is not in the loop per token.
+
+Every request samples with its own settings and its own key (from its seed and the token's index), so its
+tokens depend only on its prompt, settings and seed, never on its neighbours or its slot. The cache layout and
+the prefix cache are layers/kv_cache.py's and pages.py's. Device state lives in `Slots`; the host keeps one
+`_Row` per busy slot (its pages, the tokens so far, the text sent) and a mirror of `Slots` in numpy.
+"""
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import multihost_utils
+
+from MaxText import common_types as ct
+from MaxText import sharding
+from MaxText.common_types import Config, ConfigError
+from MaxText.inference import pages as pages_lib
+from MaxText.inference.sampling import Sampling, sample_rows
+from MaxText.layers import decoders, kv_cache, models
+
+MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
+MAX_STOP_IDS = 16  # stop token ids per request, EOS included
+MIN_BUCKET = 16
+
+
+class RequestError(ValueError):
+  """A request the engine cannot run; the message names the field (`max_tokens=...: ...`)."""
+
+
+class QueueFull(RuntimeError):
+  """More requests wait than the queue holds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  prompt: tuple[int, ...]  # token ids, BOS included by the caller when wanted
+  max_tokens: int  # tokens to generate at most
+  temperature: float = 0.0  # 0: greedy
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1: off
+  seed: int | None = None  # None: the engine draws one
+  stop: tuple[str, ...] = ()  # stop strings: the text is cut before the first one
+  stop_token_ids: tuple[int, ...] = ()  # besides EOS, which always stops
+  logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely alternatives
+  echo: bool = False  # also the prompt tokens' logprobs (with logprobs)
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+  logprob: float  # of the token, under the model's distribution (before temperature, top-k and top-p)
+  top: list[tuple[int, float]]  # the k most likely (token, logprob), most likely first
+
+
+@dataclasses.dataclass
+class Update:
+  tokens: list[int]  # new tokens since the last update (none past a stop)
+  text: str  # new text since the last update
+  logprobs: list[TokenLogprob] | None  # one per new token, when asked for
+  prompt_logprobs: list[TokenLogprob | None] | None = None  # first update only, with echo (entry 0 is None)
+  finish_reason: str | None = None  # last update only: "stop" (EOS, a stop id or string), "length", "abort"
+
+
+@dataclasses.dataclass
+class Result:
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  text: str = ""
+  logprobs: list[TokenLogprob] | None = None
+  prompt_logprobs: list[TokenLogprob | None] | None = None
+  finish_reason: str | None = None
+
+  def add(self, update: Update) -> None:
+    self.tokens += update.tokens
+    self.text += update.text
+    if update.logprobs is not None:
+      self.logprobs = (self.logprobs or []) + update.logprobs
+    if update.prompt_logprobs is not None:
+      self.prompt_logprobs = update.prompt_logprobs
+    self.finish_reason = update.finish_reason or self.finish_reason
+
+
+@struct.dataclass
+class Slots:
+  """The decode slots on the device, one row each ([slots] unless said)."""
+
+  last: jax.Array  # int32: the newest token, the next step's input (its keys are not cached yet)
+  lengths: jax.Array  # int32: tokens in the cache, which is also `last`'s position
+  active: jax.Array  # bool: generating
+  budget: jax.Array  # int32: tokens it may still generate
+  counter: jax.Array  # int32: tokens sampled so far (the index its key is folded with)
+  keys: jax.Array  # uint32 [slots, 2]: the request's PRNG key data
+  temperature: jax.Array  # float32
+  top_k: jax.Array  # int32
+  top_p: jax.Array  # float32
+  stop_ids: jax.Array  # int32 [slots, MAX_STOP_IDS], -1 padded
+
+
+def _empty_slots(n: int) -> dict[str, np.ndarray]:
+  return {
+    "last": np.zeros(n, np.int32),
+    "lengths": np.zeros(n, np.int32),
+    "active": np.zeros(n, bool),
+    "budget": np.zeros(n, np.int32),
+    "counter": np.zeros(n, np.int32),
+    "keys": np.zeros((n, 2), np.uint32),
+    "temperature": np.zeros(n, np.float32),
+    "top_k": np.zeros(n, np.int32),
+    "top_p": np.ones(n, np.float32),
+    "stop_ids": np.full((n, MAX_STOP_IDS), -1, np.int32),
+  }
+
+
+def bucket(length: int, limit: int) -> int:
+  """The padded length of a prefill chunk: a power of two from MIN_BUCKET, or `limit` (so few lengths compile)."""
+  size = MIN_BUCKET
+  while size < length:
+    size *= 2
+  return min(size, limit)
+
+
+def check(config: Config) -> None:
+  """The engine's config keys, as one-line errors."""
+  if config.max_prefill_predict_length >= config.max_target_length:
+    raise ConfigError(
+      f"max_prefill_predict_length={config.max_prefill_predict_length} leaves no room to generate within "
+      f"max_target_length={config.max_target_length}; make max_target_length larger"
+    )
+  if config.max_prefill_predict_length < 1:
+    raise ConfigError(f"max_prefill_predict_length={config.max_prefill_predict_length} must be positive")
+  for key in ("pagedattn_tokens_per_page", "prefill_chunk_size", "decode_steps_per_dispatch"):
+    if getattr(config, key) < 1:
+      raise ConfigError(f"{key}={getattr(config, key)} must be at least 1")
+  if config.pagedattn_num_pages < 0:
+    raise ConfigError(
+      f"pagedattn_num_pages={config.pagedattn_num_pages} is negative; give 0 (enough for every slot) or more"
+    )
+  per_row = math.ceil(config.max_target_length / config.pagedattn_tokens_per_page)
+  if 0 < config.pagedattn_num_pages < per_row:
+    raise ConfigError(
+      f"pagedattn_num_pages={config.pagedattn_num_pages} cannot hold one request of max_target_length="
+      f"{config.max_target_length} ({per_row} pages of {config.pagedattn_tokens_per_page}); give at least {per_row}"
+    )
+
+
+def _fetch(tree):
+  """Device arrays -> numpy on every process (gathered across processes in a multi-process job)."""
+  if jax.process_count() > 1:
+    return multihost_utils.process_allgather(tree, tiled=True)
+  return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _top(logprobs: jax.Array, tokens: jax.Array):
+  """logprobs [..., vocab] -> (logprob of `tokens` [...], top ids [..., MAX_TOP_LOGPROBS], their logprobs)."""
+  picked = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+  top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+  return picked, top_ids.astype(jnp.int32), top_lp
+
+
+class Engine:
+  """Compiled prefill and generate for one config, mesh and set of parameters, and the scheduler over them."""
+
+  def __init__(  # noqa: PLR0913 (the model's three, then keyword-only options)
+    self,
+    config: Config,
+    mesh: jax.sharding.Mesh,
+    params,
+    *,
+    eos_id: int = -1,
+    pad_id: int = 0,
+    num_tokens: int | None = None,
+    detokenize: Callable[[list[int]], str] | None = None,
+    max_queue: int = 64,
+    steps_per_dispatch: int | None = None,
+  ):
+    check(config)
+    cfg = self.config = config
+    self.mesh, self.params = mesh, params
+    self.eos_id, self.pad_id, self.num_tokens = eos_id, pad_id, num_tokens
+    self.detokenize = detokenize
+    self.max_queue = max_queue
+    self.num_slots = cfg.micro_batch_size
+    self.steps = steps_per_dispatch or cfg.decode_steps_per_dispatch
+    self.max_prompt_length = cfg.max_prefill_predict_length
+    self.max_length = cfg.max_target_length
+    self.page_size = cfg.pagedattn_tokens_per_page
+    self.pages_per_row = math.ceil(cfg.max_target_length / self.page_size)
+    num_pages = cfg.pagedattn_num_pages or self.num_slots * self.pages_per_row
+    self.pages = pages_lib.Pages(num_pages, self.page_size)
+    self.chunk = cfg.prefill_chunk_size if cfg.use_chunked_prefill else self.max_prompt_length
+    self.default_sampling = Sampling.from_config(cfg)
+    self._prefill_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_PREFILL)
+    self._step_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_AUTOREGRESSIVE)
+    self.pool = self._empty_pool(num_pages)
+    self._executables = {}
+    self.stats = collections.Counter()  # seconds and counts: prefill, generate, compile, steps, tokens
+    # The host's side: the slots' requests, their page tables, the queue.
+    self._rows: list[_Row | None] = [None] * self.num_slots
+    self._host = _empty_slots(self.num_slots)
+    self._table = np.zeros((self.num_slots, self.pages_per_row), np.int32)
+    self._waiting = collections.deque()
+    self._cancelled = set()
+    self._next_id = 0
+    self._lock = threading.Condition()
+    self._thread = None
+    self._stopping = False
+
+  # --------------------------------------------------------------------------------- device functions
+  def _pool_axes(self) -> tuple:
+    """The pool's logical axes: the layers, then pages and their tokens (not split), then what a layer caches
+    per token (its kv_cache_axes after batch and sequence: heads split as the contiguous cache's are)."""
+    per_token = decoders.layer(self.config.decoder_block).kv_cache_axes[2:]
+    return (ct.LAYERS, None, None, *per_token)
+
+  def _empty_pool(self, num_pages: int):
+    shapes = jax.eval_shape(
+      lambda p: self._prefill_model.apply({"params": p}, *(jnp.zeros((1, 1), jnp.int32),) * 3)[1], self.params
+    )
+    shard = sharding.logical_sharding(self._pool_axes(), self.mesh, self.config)
+    self._pool_sharding = jax.tree_util.tree_map(lambda _: shard, shapes)
+
+    def zeros():
+      return jax.tree_util.tree_map(
+        lambda s: jnp.zeros((s.shape[0], num_pages, self.page_size, *s.shape[3:]), s.dtype), shapes
+      )
+
+    return jax.jit(zeros, out_shardings=self._pool_sharding)()
+
+  def _write(self, pool, new, table, positions, valid):
+    """new (keys, values) [layers, batch, t, ...] of the tokens at `positions` [batch, t] into their pages;
+    tokens not `valid` are dropped (padding, idle slots)."""
+    page = jnp.take_along_axis(table, positions // self.page_size, axis=1)
+    page = jnp.where(valid, page, self.pages.num_pages)  # out of range: dropped
+    offset = positions % self.page_size
+    return jax.tree_util.tree_map(lambda p, n: p.at[:, page, offset].set(n.astype(p.dtype), mode="drop"), pool, new)
+
+  def _mask(self, logits):
+    if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
+      logits = jnp.where(jnp.arange(logits.shape[-1]) < self.num_tokens, logits, -jnp.inf)
+    return logits.astype(jnp.float32)
+
+  def _extend(self, params, pool, table, tokens, positions, valid):
+    """tokens [batch, t] at `positions`, after the positions[:, 0] tokens each row's pages hold -> (logits
+    [batch, t, vocab], the pool with their keys and values written)."""
+    slots = self.pages_per_row * self.page_size
+    batch = tokens.shape[0]
+    held = positions[:, :1]
+    cache_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
+    layers = jax.tree_util.tree_leaves(pool)[0].shape[0]
+    paged = kv_cache.Paged(*pool, jnp.broadcast_to(table, (layers, *table.shape)))
+    logits, new = self._step_model.apply(
+      {"params": params},
+      tokens,
+      jnp.ones_like(tokens),
+      positions,
+      cache=paged,
+      cache_mask=cache_positions < held,
+      cache_positions=cache_positions,
+    )
+    return logits, self._write(pool, new, table, positions, valid)
+
+  def _prefill(self, params, pool, table, chunk, sampling, *, first: bool, echo: bool):
+    """One chunk of one prompt: `chunk` holds tokens [1, C] at positions start + [0, C), of which the first
+    `count` are real, and `targets` [1, C], the prompt's tokens after them (for echo).
+    Returns the pool, the token sampled after the chunk's last real token, (its logprob, top ids, top
+    logprobs), and with echo each position's logprob of its target and its top."""
+    tokens, start, count = chunk["tokens"], chunk["start"], chunk["count"]
+    width = tokens.shape[1]
+    positions = start + jnp.arange(width, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(width)[None, :] < count
+    if first:  # nothing cached before it: the prefill mode's kernels
+      segments = valid.astype(jnp.int32)
+      logits, new = self._prefill_model.apply({"params": params}, tokens, segments, positions)
+      pool = self._write(pool, new, table, positions, valid)
+    else:
+      logits, pool = self._extend(params, pool, table, tokens, positions, valid)
+    logprobs = jax.nn.log_softmax(self._mask(logits), axis=-1)
+    last = logprobs[:, count - 1]
+    key = jax.random.fold_in(jax.random.wrap_key_data(sampling["keys"][0]), 0)
+    token = sample_rows(last, key[None], sampling["temperature"], sampling["top_k"], sampling["top_p"])
+    picked = _top(last, token)
+    prompt = _top(logprobs, chunk["targets"]) if echo else None
+    return pool, token, picked, prompt
+
+  def _generate(self, params, pool, table, slots: Slots, refill, *, logprobs: bool):
+    """Up to `self.steps` decode steps of every active slot -> (pool, slots, tokens [slots, steps], (logprobs,
+    top ids, top logprobs) of each when asked, steps run). Stops when no slot is active, or when a slot
+    finished and `refill` says a request waits for it."""
+    n, k = self.num_slots, self.steps
+    out = {"tokens": jnp.full((n, k), self.pad_id, jnp.int32)}
+    if logprobs:
+      out |= {
+        "logprob": jnp.zeros((n, k), jnp.float32),
+        "top_ids": jnp.zeros((n, k, MAX_TOP_LOGPROBS), jnp.int32),
+        "top_logprobs": jnp.zeros((n, k, MAX_TOP_LOGPROBS), jnp.float32),
+      }
+
+    def cond(carry):
+      i, _, slots, _, finished = carry
+      return (i < k) & jnp.any(slots.active) & ~(refill & finished)
+
+    def body(carry):
+      i, pool, s, out, finished = carry
+      logits, pool = self._extend(params, pool, table, s.last[:, None], s.lengths[:, None], s.active[:, None])
+      logits = self._mask(logits[:, 0])
+      keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(s.keys), s.counter)
+      token = sample_rows(logits, keys, s.temperature, s.top_k, s.top_p)
+      token = jnp.where(s.active, token, self.pad_id)
+      stop = s.active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (s.budget <= 1))
+      columns = {"tokens": token}
+      if logprobs:
+        picked, top_ids, top_lp = _top(jax.nn.log_softmax(logits, axis=-1), token)
+        columns |= {"logprob": picked, "top_ids": top_ids, "top_logprobs": top_lp}
+      out = {name: out[name].at[:, i].set(columns[name]) for name in out}
+      step = s.active.astype(jnp.int32)
+      s = s.replace(
+        last=jnp.where(s.active, token, s.last),
+        lengths=s.lengths + step,
+        budget=s.budget - step,
+        counter=s.counter + step,
+        active=s.active & ~stop,
+      )
+      return i + 1, pool, s, out, finished | jnp.any(stop)
+
+    init = (jnp.asarray(0, jnp.int32), pool, slots, out, jnp.asarray(False))
+    count, pool, slots, out, _ = jax.lax.while_loop(cond, body, init)
+    return pool, slots, out, count
+
+  def _call(self, name: str, fn, *args, **static):
+    """fn(*args) through an executable compiled once per argument shapes (compile time counted apart)."""
+    key = (name, tuple(sorted(static.items())), tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args[1:])))
+    executable = self._executables.get(key)
+    if executable is None:
+      start = time.perf_counter()
+      out_shardings = (self._pool_sharding, None, None, None)
+      jitted = jax.jit(functools.partial(fn, **static), donate_argnums=(1,), out_shardings=out_shardings)
+      executable = self._executables[key] = jitted.lower(*args).compile()
+      self.stats["compile_seconds"] += time.perf_counter() - start
+    return executable(*args)
+
+  # --------------------------------------------------------------------------------- requests
+  def check(self, request: Request) -> None:
+    """Raises RequestError naming the field when the engine cannot run `request`."""
+    n = len(request.prompt)
+    if n == 0:
+      raise RequestError("prompt: the prompt is empty; give at least one token")
+    if n > self.max_prompt_length:
+      raise RequestError(
+        f"prompt: {n} tokens, more than the longest prompt, {self.max_prompt_length} (max_prefill_predict_length)"
+      )
+    if request.max_tokens < 1:
+      raise RequestError(f"max_tokens={request.max_tokens}: must be at least 1")
+    if n + request.max_tokens > self.max_length:
+      raise RequestError(
+        f"max_tokens={request.max_tokens}: the prompt's {n} tokens and max_tokens exceed the cache's "
+        f"{self.max_length} tokens (max_target_length); ask for at most {self.max_length - n}"
+      )
+    vocab = self.num_tokens or self.config.vocab_size
+    if any(not 0 <= t < vocab for t in request.prompt):
+      raise RequestError(f"prompt: token ids must be in [0, {vocab})")
+    if request.temperature < 0:
+      raise RequestError(f"temperature={request.temperature}: must be >= 0")
+    if request.top_k < 0:
+      raise RequestError(f"top_k={request.top_k}: must be >= 0 (0 is off)")
+    if not 0 < request.top_p <= 1:
+      raise RequestError(f"top_p={request.top_p}: must be in (0, 1]")
+    if len(set(request.stop_token_ids) | {self.eos_id}) > MAX_STOP_IDS:
+      raise RequestError(f"stop_token_ids: at most {MAX_STOP_IDS - 1} ids")
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+      raise RequestError(f"logprobs={request.logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
+    if request.echo and request.logprobs is None:
+      raise RequestError("echo: the prompt's logprobs need logprobs set")
+    if request.stop and self.detokenize is None:
+      raise RequestError("stop: stop strings need a tokenizer")
+
+  def submit(self, request: Request, on_update: Callable[[Update], None]) -> int:
+    """Queues `request`; `on_update` gets its updates on the engine's thread. Returns its id."""
+    self.check(request)
+    with self._lock:
+      if len(self._waiting) >= self.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests wait already (the queue holds {self.max_queue})")
+      request_id = self._next_id
+      self._next_id += 1
+      self._waiting.append(_Row(request_id, request, on_update))
+      self._lock.notify()
+    return request_id
+
+  def cancel(self, request_id: int) -> None:
+    with self._lock:
+      self._cancelled.add(request_id)
+      self._lock.notify()
+
+  def generate(self, requests: list[Request]) -> list[Result]:
+    """Runs `requests` to completion in the caller's thread (the engine must not be started)."""
+    if self._thread is not None:
+      raise RuntimeError("generate() runs the engine itself; it is started in a thread already")
+    results = [Result() for _ in requests]
+    for request, result in zip(requests, results, strict=True):
+      self.check(request)
+      self._waiting.append(_Row(self._next_id, request, result.add))
+      self._next_id += 1
+    while self.busy():
+      self.run_once()
+    return results
+
+  def busy(self) -> bool:
+    return bool(self._waiting) or any(row is not None for row in self._rows)
+
+  def start(self) -> None:
+    """Runs the scheduler in a daemon thread until stop()."""
+    self._stopping = False
+    self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    with self._lock:
+      self._stopping = True
+      self._lock.notify()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    for row in [*self._rows, *self._waiting]:
+      if row is not None:
+        row.finish("abort")
+    self._waiting.clear()
+    self._rows = [None] * self.num_slots
+
+  def running(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def _serve(self) -> None:
+    while True:
+      with self._lock:
+        while not self._stopping and not self.busy() and not self._cancelled:
+          self._lock.wait()
+        if self._stopping:
+          return
+      try:
+        self.run_once()
+      except Exception:  # A failure ends every request it touched instead of hanging their clients.
+        logging.exception("the engine failed; its requests are aborted")
+        for slot, row in enumerate(self._rows):
+          if row is not None:
+            self._free(slot, "abort")
+
+  # --------------------------------------------------------------------------------- scheduling
+  def run_once(self) -> None:
+    """One round: cancellations, admissions, one prefill chunk per prefilling slot, then one generate call."""
+    with self._lock:
+      cancelled, self._cancelled = self._cancelled, set()
+      self._waiting = collections.deque(r for r in self._waiting if r.id not in cancelled)
+    for slot, row in enumerate(self._rows):
+      if row is not None and row.id in cancelled:
+        self._free(slot, None)
+    self._admit()
+    for slot, row in enumerate(self._rows):
+      if row is not None and row.prefilled < len(row.request.prompt):
+        self._prefill_chunk(slot, row)
+    if self._host["active"].any():
+      self._decode()
+
+  def _pages_needed(self, tokens: int) -> int:
+    return math.ceil(tokens / self.page_size)
+
+  def _reserved(self) -> int:
+    """Pages the busy slots may still take (each up to its prompt and max_tokens)."""
+    return sum(row.reserve - len(row.pages) for row in self._rows if row is not None)
+
+  def _admit(self) -> None:
+    for slot in range(self.num_slots):
+      if self._rows[slot] is not None:
+        continue
+      with self._lock:
+        if not self._waiting:
+          return
+        row = self._waiting[0]
+      request = row.request
+      prompt = request.prompt
+      # Cached pages for the prompt's full pages but its last token (whose logits the prefill must compute);
+      # not with echo, which needs every prompt token's logprobs.
+      digests = pages_lib.prefix_digests(prompt, self.page_size)
+      shared = []
+      if self.config.enable_prefix_caching and not request.echo:
+        shared = self.pages.match(digests[: (len(prompt) - 1) // self.page_size])
+      row.reserve = self._pages_needed(len(prompt) + request.max_tokens - 1)
+      if self.pages.available() - self._reserved() < row.reserve - len(shared):
+        self.pages.release(shared)
+        return  # Waits for pages (first come, first served).
+      with self._lock:
+        self._waiting.popleft()
+      row.digests, row.pages = digests, list(shared)
+      row.prefilled = len(shared) * self.page_size
+      self.stats["prefix_hit_tokens"] += row.prefilled
+      self._take_pages(slot, row, len(prompt))
+      self._rows[slot] = row
+
+  def _take_pages(self, slot: int, row: "_Row", tokens: int) -> None:
+    """Gives the row pages for its first `tokens` tokens (at most its reserve)."""
+    while len(row.pages) < min(self._pages_needed(tokens), row.reserve):
+      row.pages.append(self.pages.take())
+    self._table[slot, : len(row.pages)] = row.pages
+
+  def _sampling(self, request: Request, seed: int) -> dict[str, np.ndarray]:
+    return {
+      "keys": np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)[None],
+      "temperature": np.asarray([request.temperature], np.float32),
+      "top_k": np.asarray([request.top_k], np.int32),
+      "top_p": np.asarray([request.top_p], np.float32),
+    }
+
+  def _prefill_chunk(self, slot: int, row: "_Row") -> None:
+    prompt = row.request.prompt
+    start = row.prefilled
+    count = min(self.chunk, len(prompt) - start)
+    width = bucket(count, self.chunk)
+    tokens = np.full((1, width), self.pad_id, np.int32)
+    tokens[0, :count] = prompt[start : start + count]
+    targets = np.zeros((1, width), np.int32)
+    following = prompt[start + 1 : start + count + 1]
+    targets[0, : len(following)] = following
+    if row.seed is None:
+      row.seed = row.request.seed if row.request.seed is not None else int(np.random.randint(0, 2**31 - 1))
+    echo = row.request.echo
+    began = time.perf_counter()
+    self.pool, token, picked, prompt_lp = self._call(
+      "prefill",
+      self._prefill,
+      self.params,
+      self.pool,
+      self._table[slot : slot + 1],
+      {"tokens": tokens, "start": np.int32(start), "count": np.int32(count), "targets": targets},
+      self._sampling(row.request, row.seed),
+      first=start == 0,
+      echo=echo,
+    )
+    token, picked, prompt_lp = _fetch((token, picked, prompt_lp))
+    self.stats["prefill_seconds"] += time.perf_counter() - began
+    self.stats["prefill_tokens"] += count
+    if echo:
+      k = row.request.logprobs
+      picked_lp, top_ids, top_lp = (a[0, :count] for a in prompt_lp)
+      row.prompt_logprobs += [
+        TokenLogprob(float(lp), _pairs(ids, lps, k)) for lp, ids, lps in zip(picked_lp, top_ids, top_lp, strict=True)
+      ]
+    row.prefilled += count
+    if row.prefilled < len(prompt):
+      return
+    for page, digest in zip(row.pages, row.digests, strict=False):
+      self.pages.cache(page, digest)
+    if row.prompt_logprobs is not None:
+      row.prompt_logprobs = [None, *row.prompt_logprobs[: len(prompt) - 1]]
+    self._start_decoding(slot, row, int(token[0]), (float(picked[0][0]), picked[1][0], picked[2][0]))
+
+  def _start_decoding(self, slot: int, row: "_Row", token: int, logprob) -> None:
+    request, host = row.request, self._host
+    stop_ids = sorted({self.eos_id, *request.stop_token_ids} - {-1})
+    host["stop_ids"][slot] = -1
+    host["stop_ids"][slot, : len(stop_ids)] = stop_ids
+    sampling = self._sampling(request, row.seed)
+    for name in ("keys", "temperature", "top_k", "top_p"):
+      host[name][slot] = sampling[name][0]
+    host["last"][slot] = token
+    host["lengths"][slot] = len(request.prompt)
+    host["budget"][slot] = request.max_tokens - 1
+    host["counter"][slot] = 1
+    stopped = token in stop_ids or request.max_tokens == 1
+    host["active"][slot] = not stopped
+    self._emit(slot, row, [token], [logprob])
+
+  def _decode(self) -> None:
+    host = self._host
+    for slot, row in enumerate(self._rows):
+      if row is not None and host["active"][slot]:
+        self._take_pages(slot, row, int(host["lengths"][slot]) + self.steps)
+    with self._lock:
+      refill = bool(self._waiting)
+    logprobs = any(row is not None and row.request.logprobs is not None for row in self._rows)
+    slots = Slots(**host)
+    began = time.perf_counter()
+    self.pool, slots, out, count = self._call(
+      "generate", self._generate, self.params, self.pool, self._table, slots, np.bool_(refill), logprobs=logprobs
+    )
+    slots, out, count = _fetch((slots, out, int(count) if jax.process_count() == 1 else count))
+    count = int(count)
+    self.stats["generate_seconds"] += time.perf_counter() - began
+    self.stats["steps"] += count
+    was_active = host["active"].copy()
+    self._host = {name: np.array(getattr(slots, name)) for name in host}
+    for slot, row in enumerate(self._rows):
+      if row is None or not was_active[slot]:
+        continue
+      made = int(self._host["counter"][slot] - host["counter"][slot])
+      self.stats["tokens"] += made
+      lps = None
+      if logprobs:
+        lps = [(float(out["logprob"][slot, i]), out["top_ids"][slot, i], out["top_logprobs"][slot, i]) for i in range(made)]
+      self._emit(slot, row, [int(t) for t in out["tokens"][slot, :made]], lps)
+
+  def _emit(self, slot: int, row: "_Row", tokens: list[int], logprobs) -> None:
+    """Sends a slot's new tokens (the stop token left out) and frees the slot when it finished."""
+    request = row.request
+    active = bool(self._host["active"][slot])
+    finish = None
+    if not active:
+      stopped = tokens and tokens[-1] in self._host["stop_ids"][slot]
+      finish = "stop" if stopped else "length"
+      if stopped:
+        tokens, logprobs = tokens[:-1], (logprobs[:-1] if logprobs is not None else None)
+    row.tokens += tokens
+    if request.logprobs is not None and logprobs is not None:
+      row.pending_logprobs += [TokenLogprob(lp, _pairs(ids, lps, request.logprobs)) for lp, ids, lps in logprobs]
+    text, cut = row.new_text(self.detokenize, final=finish is not None)
+    if cut:
+      finish = "stop"
+    if finish is not None:
+      self._free(slot, finish, text)
+    else:
+      row.send(text, None)
+
+  def _free(self, slot: int, finish: str | None, text: str = "") -> None:
+    row = self._rows[slot]
+    self._rows[slot] = None
+    self._host["active"][slot] = False
+    self.pages.release(row.pages)
+    self._table[slot] = 0
+    if finish is not None:
+      row.send(text, finish)
+
+
+def _pairs(ids, logprobs, k: int = MAX_TOP_LOGPROBS) -> list[tuple[int, float]]:
+  return [(int(i), float(lp)) for i, lp in zip(ids[:k], logprobs[:k], strict=True)]
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+  """A request on the host: its pages, the tokens and text it has produced, and what is not sent yet."""
+
+  id: int
+  request: Request
+  on_update: Callable[[Update], None]
+  seed: int | None = None
+  pages: list[int] = dataclasses.field(default_factory=list)
+  digests: list[bytes] = dataclasses.field(default_factory=list)
+  reserve: int = 0
+  prefilled: int = 0
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  sent_tokens: int = 0
+  text: str = ""  # the text sent so far
+  pending_logprobs: list = dataclasses.field(default_factory=list)
+  prompt_logprobs: list | None = None
+  first: bool = True
+
+  def __post_init__(self):
+    if self.request.echo:
+      self.prompt_logprobs = []
+
+  def new_text(self, detokenize, final: bool) -> tuple[str, bool]:
+    """(text not sent yet that may be sent now, whether a stop string ended it). Until the request ends, text
+    that may still turn into a stop string, and an incomplete character at the end, are held back."""
+    if detokenize is None:
+      return "", False
+    full = detokenize(self.tokens)
+    stops = self.request.stop
+    if stops:
+      begin = max(0, len(self.text) - max(map(len, stops)))
+      hits = [i for i in (full.find(s, begin) for s in stops) if i >= 0]
+      if hits:
+        return full[len(self.text) : max(min(hits), len(self.text))], True
+    if final:
+      return full[len(self.text) :], False
+    safe = len(full.rstrip("\ufffd"))
+    hold = 0
+    for stop in stops:  # the longest end of the text that begins a stop string
+      hold = max(
+        [hold] + [size for size in range(1, min(len(stop) - 1, safe) + 1) if full[safe - size : safe] == stop[:size]]
+      )
+    return full[len(self.text) : max(safe - hold, len(self.text))], False
+
+  def send(self, text: str, finish: str | None) -> None:
+    tokens = self.tokens[self.sent_tokens :]
+    self.sent_tokens = len(self.tokens)
+    self.text += text
+    logprobs = None
+    if self.request.logprobs is not None:
+      logprobs, self.pending_logprobs = self.pending_logprobs, []
+    update = Update(tokens, text, logprobs, self.prompt_logprobs if self.first else None, finish)
+    self.first = False
+    self.on_update(update)
+
+  def finish(self, reason: str) -> None:
+    self.send("", reason)
