@@ -2,34 +2,24 @@
 tokenizer_path=PATH prompt="I love to" [key=value ...]`.
 
 Loads parameters (load_parameters_path, else the latest checkpoint of run_name), decodes the prompt (or
-every line of decode_prompts_file) with the KV cache and the compiled generate loop of inference/, and
+every line of decode_prompts_file) with the inference engine (inference/engine.py: the paged KV cache and the
+compiled generate loop, per_device_batch_size x devices slots, refilled as prompts finish), and
 prints ``Input `PROMPT` -> `OUTPUT` `` per prompt (control characters escaped, see `visible`), then the prefill
 time, the time per generated token and tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output
 as printed starts with TEXT.
 """
 
 import sys
-import time
 import unicodedata
 
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
-import jax
-import numpy as np
 
-from MaxText import checkpointing, cli, sharding, storage
+from MaxText import cli, storage
 from MaxText.common_types import Config, ConfigError
-from MaxText.inference import decoding
-from MaxText.input_pipeline import tokenizer as tokenizer_lib
-
-
-def load_tokenizer(config: Config) -> tokenizer_lib.Tokenizer:
-  if not config.tokenizer_path:
-    raise ConfigError(
-      "decoding needs tokenizer_path=PATH and tokenizer_type= (the tokenizer the checkpoint was trained with)"
-    )
-  return tokenizer_lib.check_tokenizer(config)
+from MaxText.inference import engine as engine_lib
+from MaxText.inference import prompts as prompts_lib
 
 
 def read_prompts(config: Config) -> list[str]:
@@ -63,33 +53,13 @@ def visible(text: str) -> str:
   return "".join(repr(c)[1:-1] if (unicodedata.category(c) == "Cc" and c != "\n") or c in _BIDI else c for c in text)
 
 
-class Timer:
-  def __init__(self):
-    self.seconds = 0.0
-
-  def __call__(self, fn, *args):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    self.seconds += time.perf_counter() - start
-    return out
-
-
-def prompt_tokens(config: Config, tokenizer: tokenizer_lib.Tokenizer, prompts: list[str]) -> list[list[int]]:
-  """Each prompt's tokens: [BOS] prompt, or with use_chat_template a user turn and the generation prompt."""
-  if not config.use_chat_template:
-    return [([tokenizer.bos_id] if config.add_bos else []) + tokenizer.encode(p) for p in prompts]
-  from MaxText.input_pipeline import sft
-
-  template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
-  compiled = sft.compile_template(template)
-  return [sft.render(compiled, tokenizer, [{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-
-
 def decode(config: Config) -> int:
-  decoding.check(config)
-  tokenizer = load_tokenizer(config)
+  engine_lib.check(config)
   prompts = read_prompts(config)
-  ids = [np.asarray(tokens, np.int32) for tokens in prompt_tokens(config, tokenizer, prompts)]
+  max_tokens = config.max_target_length - config.max_prefill_predict_length
+  # Every step of a batch in one compiled loop (a slot that finishes while a prompt waits is refilled at once).
+  engine, tokenizer = engine_lib.Engine.from_config(config, steps_per_dispatch=max_tokens, max_queue=len(prompts))
+  ids = prompts_lib.prompt_tokens(config, tokenizer, prompts)
   for text, tokens in zip(prompts, ids, strict=True):
     if len(tokens) == 0:
       raise ConfigError("the prompt is empty (and add_bos=false); give a prompt or set add_bos=true")
@@ -98,38 +68,21 @@ def decode(config: Config) -> int:
         f"prompt {text[:40]!r} is {len(tokens)} tokens but max_prefill_predict_length="
         f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length and max_target_length"
       )
-
-  mesh = sharding.create_mesh(config)
-  decoder = decoding.Decoder(
-    config, mesh, eos_id=tokenizer.eos_id, pad_id=max(tokenizer.pad_id, 0), num_tokens=tokenizer.vocab_size
-  )
-  params, where = checkpointing.load_params(config, mesh, decoder.params_dtype())
-  cli.log(f"Parameters from {where}")
-
-  key = jax.random.key(config.decode_sampling_seed)
-  batch = config.micro_batch_size
-  prefill_time, generate_time, compile_time = Timer(), Timer(), Timer()
-  steps = generated = 0  # loop steps run, and tokens they produced over all prompts
-  outputs = []
-  for start in range(0, len(ids), batch):
-    chunk = ids[start : start + batch]
-    tokens, lengths = decoder.put_batch(*decoding.pad_prompts(chunk, batch, config.max_prefill_predict_length))
-    prefill = compile_time(lambda: decoder.prefill.lower(params, tokens, lengths).compile())
-    logits, cache = prefill_time(prefill, params, tokens, lengths)
-    generate = compile_time(lambda: decoder.generate.lower(params, cache, logits, key).compile())
-    out, count = generate_time(generate, params, cache, logits, key)
-    rows, count = decoder.fetch(out, count, len(chunk))
-    steps += count - 1  # the first token comes from the prefill
-    generated += sum(max(len(r) - 1, 0) for r in rows)  # tokens the loop produced
-    outputs.extend(tokenizer.decode(r.tolist()) for r in rows)
+  cli.log(f"Parameters from {engine.loaded_from}")
+  temperature, top_k, top_p = engine.default_sampling.request_settings()
+  seed = config.decode_sampling_seed
+  requests = [engine_lib.Request(tuple(p), max_tokens, temperature, top_k, top_p, seed) for p in ids]
+  outputs = [tokenizer.decode(result.tokens) for result in engine.generate(requests)]
 
   for text, output in zip(prompts, outputs, strict=True):
     cli.log(f"Input `{visible(text)}` -> `{visible(output)}`")
-  per_step = generate_time.seconds / max(steps, 1)
+  stats = engine.stats
+  seconds, steps = stats["generate_seconds"], stats["steps"]
   cli.log(
-    f"Prefill: {prefill_time.seconds * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
-    f"{generate_time.seconds:.3f} s, {per_step * 1e3:.2f} ms per generated token, "
-    f"{generated / max(generate_time.seconds, 1e-9):.1f} tokens/s (batch {batch}); compile {compile_time.seconds:.1f} s"
+    f"Prefill: {stats['prefill_seconds'] * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
+    f"{seconds:.3f} s, {seconds / max(steps, 1) * 1e3:.2f} ms per generated token, "
+    f"{stats['tokens'] / max(seconds, 1e-9):.1f} tokens/s ({engine.num_slots} slots); compile "
+    f"{stats['compile_seconds']:.1f} s"
   )
   expected = config.autoregressive_decode_assert
   if expected:  # Against the output as printed, escapes included: what the user sees is what they can assert.

@@ -33,12 +33,14 @@ import numpy as np
 from flax import struct
 from jax.experimental import multihost_utils
 
+from MaxText import checkpointing, sharding
 from MaxText import common_types as ct
-from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference import pages as pages_lib
 from MaxText.inference.sampling import Sampling, sample_rows
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import decoders, kv_cache, models
+from MaxText.layers.linears import DTYPES
 
 MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
 MAX_STOP_IDS = 16  # stop token ids per request, EOS included
@@ -163,6 +165,17 @@ def check(config: Config) -> None:
     )
 
 
+def params_dtype(config: Config, mesh: jax.sharding.Mesh):
+  """The dtype decoding keeps parameters in. On GPU and TPU, the activation dtype when it is narrower than
+  weight_dtype: every use casts a parameter to the activation dtype first, so results are the same and each step
+  reads half the bytes. On CPU, weight_dtype: XLA hoists the cast out of the generate loop, and its bfloat16 dots
+  ran the generate loop faster from float32 storage (docs/PERFORMANCE.md)."""
+  dtype, weight = DTYPES[config.dtype], DTYPES[config.weight_dtype]
+  if mesh.devices.flat[0].platform == "cpu":
+    return weight
+  return dtype if jnp.finfo(dtype).bits < jnp.finfo(weight).bits else weight
+
+
 def _fetch(tree):
   """Device arrays -> numpy on every process (gathered across processes in a multi-process job)."""
   if jax.process_count() > 1:
@@ -224,6 +237,30 @@ class Engine:
     self._lock = threading.Condition()
     self._thread = None
     self._stopping = False
+
+  @classmethod
+  def from_config(cls, config: Config, **options) -> tuple["Engine", object]:
+    """(engine, tokenizer) for `config` as decode.py and serve.py load them: the tokenizer of tokenizer_path, the
+    mesh of the config, the parameters of load_parameters_path (else the run's latest checkpoint)."""
+    check(config)
+    if not config.tokenizer_path:
+      raise ConfigError(
+        "decoding needs tokenizer_path=PATH and tokenizer_type= (the tokenizer the checkpoint was trained with)"
+      )
+    tokenizer = tokenizer_lib.check_tokenizer(config)
+    mesh = sharding.create_mesh(config)
+    params, where = checkpointing.load_params(config, mesh, params_dtype(config, mesh))
+    logging.info("Parameters from %s", where)
+    options = {
+      "eos_id": tokenizer.eos_id,
+      "pad_id": max(tokenizer.pad_id, 0),
+      "num_tokens": tokenizer.vocab_size,
+      "detokenize": tokenizer.decode,
+      **options,
+    }
+    engine = cls(config, mesh, params, **options)
+    engine.loaded_from = where
+    return engine, tokenizer
 
   # --------------------------------------------------------------------------------- device functions
   def _pool_axes(self) -> tuple:

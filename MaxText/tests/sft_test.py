@@ -387,16 +387,16 @@ def test_grain_and_hf_give_the_same_conversation_batches_and_resume_exactly(file
 
 
 def test_decode_prompts_go_through_the_chat_template(files):
-  from MaxText import decode
+  from MaxText.inference import prompts
 
   reference = _reference(files, CHATML)
   tokenizer = tokenizer_lib.load(str(files / "hf/tokenizer.json"), "huggingface")
   common = (f"tokenizer_path={files}/hf/tokenizer.json", "tokenizer_type=huggingface")
-  templated = decode.prompt_tokens(config(*common, "use_chat_template=true"), tokenizer, ["Which book?", "Who?"])
+  templated = prompts.prompt_tokens(config(*common, "use_chat_template=true"), tokenizer, ["Which book?", "Who?"])
   for prompt, got in zip(["Which book?", "Who?"], templated, strict=True):
     turns = [{"role": "user", "content": prompt}]
     assert got == list(reference.apply_chat_template(turns, add_generation_prompt=True)["input_ids"])
-  plain = decode.prompt_tokens(config(*common, "add_bos=true"), tokenizer, ["Which book?"])
+  plain = prompts.prompt_tokens(config(*common, "add_bos=true"), tokenizer, ["Which book?"])
   assert plain == [[tokenizer.bos_id, *tokenizer.encode("Which book?")]]
 
 
