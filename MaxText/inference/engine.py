@@ -111,7 +111,7 @@ class Slots:
   active: jax.Array  # bool: generating
   budget: jax.Array  # int32: tokens it may still generate
   counter: jax.Array  # int32: tokens sampled so far (the index its key is folded with)
-  keys: jax.Array  # uint32 [slots, 2]: the request's PRNG key data
+  seeds: jax.Array  # uint32 [slots, 2]: the request's seed, its low and high 32 bits
   temperature: jax.Array  # float32
   top_k: jax.Array  # int32
   top_p: jax.Array  # float32
@@ -125,7 +125,7 @@ def _empty_slots(n: int) -> dict[str, np.ndarray]:
     "active": np.zeros(n, bool),
     "budget": np.zeros(n, np.int32),
     "counter": np.zeros(n, np.int32),
-    "keys": np.zeros((n, 2), np.uint32),
+    "seeds": np.zeros((n, 2), np.uint32),
     "temperature": np.zeros(n, np.float32),
     "top_k": np.zeros(n, np.int32),
     "top_p": np.ones(n, np.float32),
@@ -174,6 +174,11 @@ def params_dtype(config: Config, mesh: jax.sharding.Mesh):
   if mesh.devices.flat[0].platform == "cpu":
     return weight
   return dtype if jnp.finfo(dtype).bits < jnp.finfo(weight).bits else weight
+
+
+def _keys(seeds: jax.Array) -> jax.Array:
+  """seeds [rows, 2] uint32 (a 64-bit seed's low and high halves) -> typed PRNG keys [rows]."""
+  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
 
 
 def _fetch(tree):
@@ -333,8 +338,8 @@ class Engine:
       logits, pool = self._extend(params, pool, table, tokens, positions, valid)
     logprobs = jax.nn.log_softmax(self._mask(logits), axis=-1)
     last = logprobs[:, count - 1]
-    key = jax.random.fold_in(jax.random.wrap_key_data(sampling["keys"][0]), 0)
-    token = sample_rows(last, key[None], sampling["temperature"], sampling["top_k"], sampling["top_p"])
+    keys = jax.vmap(jax.random.fold_in)(_keys(sampling["seeds"]), jnp.zeros((1,), jnp.int32))
+    token = sample_rows(last, keys, sampling["temperature"], sampling["top_k"], sampling["top_p"])
     picked = _top(last, token)
     prompt = _top(logprobs, chunk["targets"]) if echo else None
     return pool, token, picked, prompt
@@ -360,7 +365,7 @@ class Engine:
       i, pool, s, out, finished = carry
       logits, pool = self._extend(params, pool, table, s.last[:, None], s.lengths[:, None], s.active[:, None])
       logits = self._mask(logits[:, 0])
-      keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(s.keys), s.counter)
+      keys = jax.vmap(jax.random.fold_in)(_keys(s.seeds), s.counter)
       token = sample_rows(logits, keys, s.temperature, s.top_k, s.top_p)
       token = jnp.where(s.active, token, self.pad_id)
       stop = s.active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (s.budget <= 1))
@@ -384,7 +389,8 @@ class Engine:
     return pool, slots, out, count
 
   def _call(self, name: str, fn, *args, **static):
-    """fn(*args) through an executable compiled once per argument shapes (compile time counted apart)."""
+    """fn(*args) through an executable compiled once per argument shapes; stats[name + "_seconds"] counts the
+    runs, "compile_seconds" the compiles."""
     key = (name, tuple(sorted(static.items())), tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args[1:])))
     executable = self._executables.get(key)
     if executable is None:
@@ -393,7 +399,10 @@ class Engine:
       jitted = jax.jit(functools.partial(fn, **static), donate_argnums=(1,), out_shardings=out_shardings)
       executable = self._executables[key] = jitted.lower(*args).compile()
       self.stats["compile_seconds"] += time.perf_counter() - start
-    return executable(*args)
+    start = time.perf_counter()
+    out = jax.block_until_ready(executable(*args))
+    self.stats[f"{name}_seconds"] += time.perf_counter() - start
+    return out
 
   # --------------------------------------------------------------------------------- requests
   def check(self, request: Request) -> None:
@@ -415,6 +424,8 @@ class Engine:
     vocab = self.num_tokens or self.config.vocab_size
     if any(not 0 <= t < vocab for t in request.prompt):
       raise RequestError(f"prompt: token ids must be in [0, {vocab})")
+    if request.seed is not None and not 0 <= request.seed < 2**64:
+      raise RequestError(f"seed={request.seed}: must be in [0, 2**64)")
     if request.temperature < 0:
       raise RequestError(f"temperature={request.temperature}: must be >= 0")
     if request.top_k < 0:
@@ -559,7 +570,7 @@ class Engine:
 
   def _sampling(self, request: Request, seed: int) -> dict[str, np.ndarray]:
     return {
-      "keys": np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)[None],
+      "seeds": np.asarray([[seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]], np.uint32),
       "temperature": np.asarray([request.temperature], np.float32),
       "top_k": np.asarray([request.top_k], np.int32),
       "top_p": np.asarray([request.top_p], np.float32),
@@ -578,7 +589,6 @@ class Engine:
     if row.seed is None:
       row.seed = row.request.seed if row.request.seed is not None else int(np.random.randint(0, 2**31 - 1))
     echo = row.request.echo
-    began = time.perf_counter()
     self.pool, token, picked, prompt_lp = self._call(
       "prefill",
       self._prefill,
@@ -591,7 +601,6 @@ class Engine:
       echo=echo,
     )
     token, picked, prompt_lp = _fetch((token, picked, prompt_lp))
-    self.stats["prefill_seconds"] += time.perf_counter() - began
     self.stats["prefill_tokens"] += count
     if echo:
       k = row.request.logprobs
@@ -614,7 +623,7 @@ class Engine:
     host["stop_ids"][slot] = -1
     host["stop_ids"][slot, : len(stop_ids)] = stop_ids
     sampling = self._sampling(request, row.seed)
-    for name in ("keys", "temperature", "top_k", "top_p"):
+    for name in ("seeds", "temperature", "top_k", "top_p"):
       host[name][slot] = sampling[name][0]
     host["last"][slot] = token
     host["lengths"][slot] = len(request.prompt)
@@ -633,13 +642,11 @@ class Engine:
       refill = bool(self._waiting)
     logprobs = any(row is not None and row.request.logprobs is not None for row in self._rows)
     slots = Slots(**host)
-    began = time.perf_counter()
     self.pool, slots, out, count = self._call(
       "generate", self._generate, self.params, self.pool, self._table, slots, np.bool_(refill), logprobs=logprobs
     )
     slots, out, count = _fetch((slots, out, int(count) if jax.process_count() == 1 else count))
     count = int(count)
-    self.stats["generate_seconds"] += time.perf_counter() - began
     self.stats["steps"] += count
     was_active = host["active"].copy()
     self._host = {name: np.array(getattr(slots, name)) for name in host}
