@@ -1,13 +1,15 @@
-"""Times decoding's stages, as MaxText's script of the same name:
+"""Times decoding's stages through the inference engine, as MaxText's script of the same name:
 
     python3 MaxText/inference_microbenchmark.py MaxText/configs/base.yml \
       inference_microbenchmark_prefill_lengths=64,128 inference_microbenchmark_batch_sizes=1,8 [key=value ...]
 
-Parameters come from load_parameters_path (or load_full_state_path) when given, else a random init. For
-each global batch size and prompt length it times (median of inference_microbenchmark_loop_iters runs):
-  - prefill: one forward pass over full-length prompts that fills the cache;
-  - generate: one cached step (batch tokens), and the compiled generate loop per step;
-and reports tokens/s and, for a step, the bytes it must read (parameters + the whole KV cache) over its
+Parameters come from load_parameters_path (or load_full_state_path) when given, else a random init. For each
+global batch size (an engine of that many slots) and prompt length it times, from the engine's own clocks
+(`Engine.stats`, compilation counted apart and left out; median of inference_microbenchmark_loop_iters runs):
+  - prefill: the prefill of `batch` fresh prompts of that length (each request's prefill, one after another);
+  - generate: one dispatched decode step of every slot (an engine with steps_per_dispatch=1), and the compiled
+    generate loop per step (steps_per_dispatch = the tokens a request generates, as decode.py runs it);
+and reports tokens/s and, for a step, the bytes it must read (parameters + the whole paged KV cache) over its
 time: the memory bandwidth used, and its fraction of the device's peak where that is known
 (memory_bandwidth_gbps, or metrics.DEVICE_PEAKS).
 """
@@ -15,7 +17,6 @@ time: the memory bandwidth used, and its fraction of the device's peak where tha
 import json
 import statistics
 import sys
-import time
 
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
@@ -24,10 +25,12 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from MaxText import checkpointing, cli, metrics, sharding, storage
+from MaxText import checkpointing, cli, metrics, pyconfig, sharding, storage
+from MaxText import common_types as ct
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
-from MaxText.inference import decoding
+from MaxText.inference import engine as engine_lib
+from MaxText.inference.sampling import Sampling
 from MaxText.layers import models
 
 
@@ -39,15 +42,6 @@ def _ints(key: str, text: str) -> list[int]:
   if not values or min(values) < 1:
     raise ConfigError(f"{key}={text!r} is not a comma-separated list of positive integers, e.g. {key}=64,128")
   return values
-
-
-def _median_seconds(fn, iters: int) -> float:
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def _nbytes(tree) -> int:
@@ -65,8 +59,90 @@ def random_params(config: Config, mesh, dtype):
   return jax.jit(init, out_shardings=shardings)(jax.random.key(config.init_weights_seed))
 
 
+class _Clock:
+  """Differences of an engine's stats over a stretch of its work; `seconds(name)` leaves compilation out."""
+
+  def __init__(self, engine):
+    self.engine, self.start = engine, dict(engine.stats)
+
+  def delta(self, name: str) -> float:
+    return self.engine.stats[name] - self.start.get(name, 0)
+
+  def seconds(self, name: str) -> float:
+    return self.delta(name) - self.delta("compile_seconds")
+
+
+def _requests(config: Config, rng, batch: int, length: int, max_tokens: int) -> list:
+  """`batch` fresh random prompts (never a prefix-cache hit), sampled as the config says (decode.py's way)."""
+  temperature, top_k, top_p = Sampling.from_config(config).request_settings()
+  return [
+    engine_lib.Request(
+      tuple(int(t) for t in rng.integers(1, config.vocab_size, length)),
+      max_tokens,
+      temperature,
+      top_k,
+      top_p,
+      config.decode_sampling_seed,
+    )  # fmt: skip
+    for _ in range(batch)
+  ]
+
+
+def _run(engine, requests) -> None:
+  for request in requests:
+    engine.submit(request, lambda _: None)
+  while engine.busy():
+    engine.run_once()
+
+
+def _prefill_seconds(engine, config, rng, batch: int, length: int, iters: int) -> float:
+  """Median seconds to prefill `batch` prompts of `length` (max_tokens=1: the prefill's token ends each)."""
+  times = []
+  for _ in range(iters + 1):  # the first compiles
+    clock = _Clock(engine)
+    _run(engine, _requests(config, rng, batch, length, 1))
+    times.append(clock.seconds("prefill_seconds"))
+  return statistics.median(times[1:])
+
+
+def _step_seconds(engine, config, rng, batch: int, length: int, iters: int) -> float:
+  """Median seconds of one dispatched step of all `batch` slots (an engine with steps_per_dispatch=1)."""
+  times = []
+  max_tokens = config.max_target_length - config.max_prefill_predict_length
+  while len(times) < iters:
+    for request in _requests(config, rng, batch, length, max_tokens):
+      engine.submit(request, lambda _: None)
+    while engine.busy() and len(times) < iters:
+      clock = _Clock(engine)
+      engine.run_once()
+      if clock.delta("steps") == 1 and clock.delta("tokens") == batch and clock.delta("compile_seconds") == 0:
+        times.append(clock.delta("generate_seconds"))
+    while engine.busy():
+      engine.run_once()
+  return statistics.median(times)
+
+
+def _loop(engine, config, rng, batch: int, length: int, iters: int) -> tuple[float, float]:
+  """(seconds per step, tokens/s) of the compiled generate loop over whole requests, from the run of median
+  seconds per step (the lower median: both figures come from one run)."""
+  max_tokens = config.max_target_length - config.max_prefill_predict_length
+  runs = []
+  for i in range(iters + 1):  # the first compiles
+    clock = _Clock(engine)
+    _run(engine, _requests(config, rng, batch, length, max_tokens))
+    if i:
+      seconds = clock.seconds("generate_seconds")
+      runs.append((seconds / clock.delta("steps"), clock.delta("tokens") / seconds))
+  return statistics.median_low(runs)
+
+
+def _batch_config(config: Config, batch: int, devices: int) -> Config:
+  """`config` with `batch` decode slots (per_device_batch_size x devices)."""
+  return config if batch == config.micro_batch_size else pyconfig.replace(config, per_device_batch_size=batch / devices)
+
+
 def benchmark(config: Config) -> list[dict]:
-  decoding.check(config)
+  engine_lib.check(config)
   lengths = _ints("inference_microbenchmark_prefill_lengths", config.inference_microbenchmark_prefill_lengths)
   batch_sizes = config.inference_microbenchmark_batch_sizes
   batches = _ints("inference_microbenchmark_batch_sizes", batch_sizes) if batch_sizes else [config.micro_batch_size]
@@ -79,70 +155,66 @@ def benchmark(config: Config) -> list[dict]:
       f"inference_microbenchmark_prefill_lengths has {too_long[0]} > max_prefill_predict_length="
       f"{config.max_prefill_predict_length}; raise max_prefill_predict_length (and max_target_length)"
     )
+  if "generate" in stages and config.max_target_length - config.max_prefill_predict_length < 2:
+    raise ConfigError(
+      f"max_target_length={config.max_target_length} leaves {config.max_target_length - config.max_prefill_predict_length}"
+      " token(s) to generate, too few to time a decode step (the prefill samples the first); make it larger"
+    )
   iters = config.inference_microbenchmark_loop_iters
   mesh = sharding.create_mesh(config)
-  decoder = decoding.Decoder(config, mesh)
+  dtype = engine_lib.params_dtype(config, mesh)
   if config.load_parameters_path or config.load_full_state_path:
-    params, where = checkpointing.load_params(config, mesh, decoder.params_dtype())
+    params, where = checkpointing.load_params(config, mesh, dtype)
   else:
-    params, where = random_params(config, mesh, decoder.params_dtype()), "random init"
-  shards = decoder.batch_shards()
+    params, where = random_params(config, mesh, dtype), "random init"
+  shards = int(np.prod([mesh.shape[a] for a in sharding.mesh_axes_of(ct.CACHE_BATCH, config)], dtype=np.int64))
   if any(b % shards for b in batches):
     raise ConfigError(
       f"inference_microbenchmark_batch_sizes={batch_sizes!r}: every batch must split over the {shards} data x fsdp "
       "shards of the mesh; give multiples of it"
     )
+  devices = len(mesh.devices.flat)
   device = mesh.devices.flat[0]
   peak = metrics.peak_bandwidth_gbps(device.device_kind, config.memory_bandwidth_gbps)
-  print(f"Parameters: {where}, {_nbytes(params) / 1e6:.1f} MB; {len(mesh.devices.flat)} x {device.device_kind}", flush=True)
+  print(f"Parameters: {where}, {_nbytes(params) / 1e6:.1f} MB; {devices} x {device.device_kind}", flush=True)
 
   results = []
   rng = np.random.default_rng(0)
-  key = jax.random.key(config.decode_sampling_seed)
   for batch in batches:
-    for length in lengths:
-      tokens = rng.integers(1, config.vocab_size, (batch, length)).astype(np.int32)
-      tokens, lens = decoder.put_batch(tokens, np.full((batch,), length, np.int32))
-      row = {"batch": batch, "prefill_length": length}
-      logits, cache = decoder.prefill(params, tokens, lens)  # compiles
+    cfg = _batch_config(config, batch, devices)
+    step_engine = engine_lib.Engine(cfg, mesh, params, steps_per_dispatch=1, max_queue=batch)
+    rows = [{"batch": batch, "prefill_length": length} for length in lengths]
+    for row, length in zip(rows, lengths, strict=True):
       if "prefill" in stages:
-        seconds = _median_seconds(lambda: decoder.prefill(params, tokens, lens), iters)
+        seconds = _prefill_seconds(step_engine, cfg, rng, batch, length, iters)
         row.update(prefill_ms=seconds * 1e3, prefill_tokens_per_s=batch * length / seconds)
       if "generate" in stages:
-        next_tokens = jax.numpy.argmax(logits, -1).astype(jax.numpy.int32)
-        step_bytes = _nbytes(params) + _nbytes((cache.keys, cache.values))
-        step_seconds = _timed_steps(decoder, params, tokens, lens, next_tokens, iters)
-        decoder.generate(params, cache, logits, key)  # compile
-        loop_seconds = _median_seconds(lambda: decoder.generate(params, cache, logits, key), max(iters // 5, 1))
-        steps = decoder.num_generated - 1
-        per_device_gbps = step_bytes / step_seconds / 1e9 / len(mesh.devices.flat)
+        step_seconds = _step_seconds(step_engine, cfg, rng, batch, length, iters)
+        step_bytes = _nbytes(params) + _nbytes(step_engine.pool)
+        per_device_gbps = step_bytes / step_seconds / 1e9 / devices
         row.update(
           step_ms=step_seconds * 1e3,
           step_tokens_per_s=batch / step_seconds,
-          loop_ms_per_step=loop_seconds / steps * 1e3,
-          loop_tokens_per_s=batch * steps / loop_seconds,
           bytes_per_step=step_bytes,
           bandwidth_gbps_per_device=per_device_gbps,
           bandwidth_fraction=per_device_gbps / peak if peak else None,
         )
+    del step_engine  # its KV cache, before the loop's engine takes one of its own
+    if "generate" in stages:
+      max_tokens = cfg.max_target_length - cfg.max_prefill_predict_length
+      loop_engine = engine_lib.Engine(cfg, mesh, params, steps_per_dispatch=max_tokens, max_queue=batch)
+      for row, length in zip(rows, lengths, strict=True):
+        per_step, rate = _loop(loop_engine, cfg, rng, batch, length, max(iters // 5, 1))
+        row.update(loop_ms_per_step=per_step * 1e3, loop_tokens_per_s=rate)
+      del loop_engine
+    for row in rows:
       results.append(row)
       print(_describe(row), flush=True)
   if config.inference_microbenchmark_log_file_path:
     path = config.inference_microbenchmark_log_file_path
-    log = {"device": device.device_kind, "devices": len(mesh.devices.flat), "results": results}
+    log = {"device": device.device_kind, "devices": devices, "results": results}
     storage.write_text(storage.expand(path), json.dumps(log, indent=1))
   return results
-
-
-def _timed_steps(decoder, params, tokens, lens, next_tokens, iters: int) -> float:
-  """Median seconds of one cached step, each on a fresh prefilled cache (a step donates its cache)."""
-  times = []
-  for _ in range(iters + 1):  # the first compiles
-    cache = jax.block_until_ready(decoder.prefill(params, tokens, lens)[1])
-    start = time.perf_counter()
-    jax.block_until_ready(decoder.step(params, cache, next_tokens))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times[1:])
 
 
 def _describe(row: dict) -> str:

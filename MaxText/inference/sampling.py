@@ -86,29 +86,3 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     return jnp.where(temperature > 0, drawn, greedy)
 
   return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, logits)
-
-
-def _row(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-  """One row's next token: logits [vocab] -> int32 scalar."""
-  logits = logits.astype(jnp.float32)
-  if s.strategy == "greedy" or s.temperature == 0.0:
-    return jnp.argmax(logits).astype(jnp.int32)
-  logits = logits / s.temperature
-  if s.strategy == "topk":
-    top, index = jax.lax.top_k(logits, s.top_k)
-    return index[jax.random.categorical(key, top)].astype(jnp.int32)
-  if s.strategy == "nucleus":
-    # The smallest set of most likely tokens whose mass reaches p: a token is kept while the mass of the
-    # tokens ranked above it is still below p (so the most likely token always is).
-    order = jnp.argsort(-logits)
-    ranked = logits[order]
-    probs = jax.nn.softmax(ranked)
-    mass_above = jnp.cumsum(probs) - probs
-    ranked = jnp.where(mass_above < s.nucleus_p, ranked, -jnp.inf)
-    return order[jax.random.categorical(key, ranked)].astype(jnp.int32)
-  return jax.random.categorical(key, logits).astype(jnp.int32)
-
-
-def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-  """logits [batch, vocab] -> next tokens [batch] int32; `key` is shared by the rows (see module doc)."""
-  return jax.vmap(lambda row: _row(row, key, sampling))(logits)

@@ -15,7 +15,7 @@ from MaxText import metrics, optimizers, sharding, train
 from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
-from MaxText.inference import decoding
+from MaxText.inference import engine as engine_lib
 from MaxText.layers import models
 from MaxText.tests.helpers import assert_sharded_decode_equals_one_device, config, train_batch
 
@@ -32,40 +32,42 @@ def _init(cfg, seed=0):
   return params
 
 
+def _log_softmax(logits):
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
 def test_decoding_from_the_latent_cache_equals_the_uncached_forward():
-  """Prefill then 8 teacher-forced steps: each step's logits equal the full forward's at that position (float32,
-  1e-5 of the largest logit), and the cache holds the compressed latent and the shared RoPE key per token and
-  layer, not every head's keys and values."""
-  cfg = config(*TINY_DEEPSEEK, "per_device_batch_size=2")
+  """Two prompts (24 and 19 tokens) prefilled in chunks of 8, the later chunks attending to the cache, then 8 greedy
+  steps: each prompt token's logprob (echo) and each generated token's, with the 5 most likely, equal the full
+  forward's log-softmax (float32, 1e-5 of the largest logit), and the paged cache holds the compressed latent and the
+  shared RoPE key per token and layer, not every head's keys and values."""
+  chunked = ("max_prefill_predict_length=24", "use_chunked_prefill=true", "prefill_chunk_size=8")
+  cfg = config(*TINY_DEEPSEEK, *chunked, "per_device_batch_size=2")
   params = _init(cfg)
-  dec = decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:1]))
+  engine = engine_lib.Engine(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), params)
+  keys, values = engine.pool
+  assert keys.shape[0] == values.shape[0] == cfg.num_decoder_layers
+  assert keys.shape[2:] == (cfg.pagedattn_tokens_per_page, 1, cfg.kv_lora_rank)
+  assert values.shape[2:] == (cfg.pagedattn_tokens_per_page, 1, cfg.qk_rope_head_dim)
+
   rng = np.random.default_rng(0)
-  full = rng.integers(1, cfg.vocab_size, (2, 24)).astype(np.int32)
-  lengths = np.array([16, 11], np.int32)
-  tokens = np.where(np.arange(16)[None] < lengths[:, None], full[:, :16], 0).astype(np.int32)
-  logits, cache = dec.prefill(params, tokens, lengths)
-  layers, batch, slots = cfg.num_decoder_layers, 2, cfg.max_target_length
-  assert cache.keys.shape == (layers, batch, slots, 1, cfg.kv_lora_rank)
-  assert cache.values.shape == (layers, batch, slots, 1, cfg.qk_rope_head_dim)
-
-  def forward(row):  # the uncached logits of one row's first n + 8 tokens
-    n = int(lengths[row])
-    seq = full[row, : n + 8][None]
-    ones = np.ones_like(seq)
+  prompts = [tuple(int(t) for t in rng.integers(1, cfg.vocab_size, n)) for n in (24, 19)]
+  results = engine.generate([engine_lib.Request(p, 8, logprobs=5, echo=True) for p in prompts])
+  for row, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+    seq = np.asarray([[*prompt, *result.tokens]], np.int32)
     positions = np.arange(seq.shape[1], dtype=np.int32)[None]
-    return np.asarray(models.Transformer(cfg).apply({"params": params}, seq, ones, positions))[0]
-
-  want = [forward(row) for row in range(2)]
-  got = [[np.asarray(logits[row])] for row in range(2)]
-  for i in range(8):
-    step_tokens = np.array([full[row, lengths[row] + i] for row in range(2)], np.int32)
-    logits, cache = dec.step(params, cache, step_tokens)
-    for row in range(2):
-      got[row].append(np.asarray(logits[row]))
-  for row in range(2):
-    n = int(lengths[row])
-    expected = want[row][n - 1 : n + 8]
-    np.testing.assert_allclose(np.stack(got[row]), expected, atol=1e-5 * np.abs(expected).max(), err_msg=f"row {row}")
+    logits = np.asarray(models.Transformer(cfg).apply({"params": params}, seq, np.ones_like(seq), positions))[0, :-1]
+    want = _log_softmax(logits)
+    assert len(result.tokens) == 8 and result.tokens == list(np.argmax(want[len(prompt) - 1 :], -1)), row
+    got = [*result.prompt_logprobs[1:], *result.logprobs]
+    assert result.prompt_logprobs[0] is None and len(got) == len(want)
+    for i, (lp, target) in enumerate(zip(got, seq[0, 1:], strict=True)):
+      top = np.argsort(-want[i], kind="stable")[:5]
+      assert [t for t, _ in lp.top] == list(top), (row, i)
+      np.testing.assert_allclose([lp.logprob, *(x for _, x in lp.top)], [want[i, target], *want[i, top]],
+                                 rtol=0, atol=1e-5 * np.abs(logits).max(), err_msg=f"row {row}, position {i}")  # fmt: skip
 
 
 def _loss_and_grads(cfg, params, batch):
@@ -252,15 +254,17 @@ def test_a_training_step_moves_each_routing_bias_towards_balance(scan):
 
 @pytest.mark.slow  # Its fast siblings: inference_test's sharded decode and the latent cache test below.
 def test_sharded_decode_equals_single_device():
-  """fsdp 2 x expert 2 x tensor 2 on 8 devices: the latent cache's batch is sharded and its one latent "head"
-  kept whole (MLA's heads go over tensor in the projections); the same logits and tokens as one device."""
+  """fsdp 2 x expert 2 x tensor 2 on 8 devices: the paged latent cache's one latent "head" is kept whole (MLA's heads
+  go over tensor in the projections; pages are not split); the same tokens and logprobs as one device."""
   one = config(*TINY_DEEPSEEK, "per_device_batch_size=8")
   eight = config(*TINY_DEEPSEEK, "per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
                  "ici_tensor_parallelism=2", num_devices=8)  # fmt: skip
   rng = np.random.default_rng(2)
   prompts = [rng.integers(1, one.vocab_size, n).astype(np.int32) for n in (4, 12, 7, 1, 16, 9, 14, 3)]
-  cache8 = assert_sharded_decode_equals_one_device(one, eight, _init(one), prompts)
-  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec((ct.LAYERS, *ct.LATENT_CACHE_AXES), eight)
+  engine8 = assert_sharded_decode_equals_one_device(one, eight, _init(one), prompts)
+  spec = sharding.logical_to_mesh_spec((ct.LAYERS, None, None, *ct.LATENT_CACHE_AXES[2:]), eight)
+  for pool in engine8.pool:
+    assert pool.sharding.spec == spec and pool.addressable_shards[0].data.shape == pool.shape
 
 
 def test_a_scan_layers_mismatch_names_the_layout_for_the_dense_and_moe_stacks(tmp_path):

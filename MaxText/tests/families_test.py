@@ -20,7 +20,7 @@ from MaxText import checkpointing, convert_hf_checkpoint, convert_to_hf_checkpoi
 from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.families import mistral, qwen3
-from MaxText.inference import decoding
+from MaxText.inference import engine as engine_lib
 from MaxText.layers import decoders, models
 from MaxText.layers.llama import LlamaDecoderLayer
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides
@@ -166,19 +166,20 @@ def _greedy_by_full_forward(model, params, prompt, n):
 
 @pytest.mark.parametrize("scan", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_a_new_family_decodes_as_its_uncached_forward(toy, scan):
-  """The KV cache (prefill, then cached steps in the compiled loop) gives the tokens of greedy decoding by the full
-  forward pass, with the toy's windows (shorter than the prompts) in layers 0 and 3, scanned (traced windows) or
-  unrolled (static ones)."""
+  """The engine's paged KV cache (prefill, then cached steps in the compiled loop) gives the tokens of greedy
+  decoding by the full forward pass, with the toy's windows (shorter than the prompts) in layers 0 and 3, scanned
+  (traced windows) or unrolled (static ones)."""
   keys = (f"scan_layers={scan}", "max_target_length=24", "max_prefill_predict_length=16", "per_device_batch_size=1")
   cfg = config(*TOY_KEYS, *keys)
   model = models.Transformer(cfg)
   params = nn.meta.unbox(model.init({"params": jax.random.key(3)}, *models.init_inputs(1, cfg.max_target_length)))["params"]
-  dec = decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:1]))
+  engine = engine_lib.Engine(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), params)
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in (11, 7)]
+  prompts = [tuple(int(t) for t in rng.integers(1, cfg.vocab_size, n)) for n in (11, 7)]
   n = cfg.max_target_length - cfg.max_prefill_predict_length
-  for prompt, got in zip(prompts, dec.decode(params, prompts), strict=True):
-    assert list(got) == _greedy_by_full_forward(model, params, prompt, n)
+  results = engine.generate([engine_lib.Request(prompt, n) for prompt in prompts])
+  for prompt, got in zip(prompts, results, strict=True):
+    assert got.tokens == _greedy_by_full_forward(model, params, prompt, n)
 
 
 def _allowed_pairs(length: int, window: int) -> int:

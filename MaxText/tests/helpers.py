@@ -51,30 +51,33 @@ def train_batch(cfg, rows=2, seed=1) -> dict:
 
 
 def assert_sharded_decode_equals_one_device(one, eight, params, prompts):
-  """Decoders of config `one` on 1 device and `eight` on 8 (params placed by its layout) give the same prefill
-  logits, next-step logits and decoded tokens for `prompts` (a batch of 8); returns the 8-device prefill's cache,
-  for the caller to check its sharding."""
-  import jax.numpy as jnp
-
+  """The engine of config `one` on 1 device and of `eight` on 8 (params placed by its layout) gives the same greedy
+  tokens, and the same logprobs of the prompt (echo) and of each generated token with their top 5 (rtol 1e-5), for
+  `prompts` (8, one per slot, all generating together); returns the 8-device engine, for the caller to check its
+  cache's sharding (`engine.pool`)."""
   from MaxText import sharding, state
-  from MaxText.inference import decoding
+  from MaxText.inference import engine as engine_lib
   from MaxText.layers import models
 
-  dec1 = decoding.Decoder(one, sharding.create_mesh(one, jax.devices()[:1]))
-  dec8 = decoding.Decoder(eight, sharding.create_mesh(eight, jax.devices()[:8]))
-  _, shardings = state.params_layout(models.Transformer(eight, dec8.mesh), eight, dec8.mesh)
-  params8 = jax.device_put(params, shardings)
-  tokens, lengths = decoding.pad_prompts(prompts, 8, one.max_prefill_predict_length)
-  logits1, cache1 = dec1.prefill(params, *dec1.put_batch(tokens, lengths))
-  logits8, cache8 = dec8.prefill(params8, *dec8.put_batch(tokens, lengths))
-  np.testing.assert_allclose(np.asarray(logits8), np.asarray(logits1), rtol=1e-5, atol=1e-5)
-  step = jnp.asarray(np.argmax(np.asarray(logits1), -1), jnp.int32)
-  np.testing.assert_allclose(
-    np.asarray(dec8.step(params8, cache8, step)[0]), np.asarray(dec1.step(params, cache1, step)[0]), rtol=1e-5, atol=1e-5
-  )
-  out1, out8 = dec1.decode(params, prompts), dec8.decode(params8, prompts)
-  assert all(np.array_equal(x, y) for x, y in zip(out1, out8, strict=True))
-  return cache8
+  mesh8 = sharding.create_mesh(eight, jax.devices()[:8])
+  _, shardings = state.params_layout(models.Transformer(eight, mesh8), eight, mesh8)
+  engine1 = engine_lib.Engine(one, sharding.create_mesh(one, jax.devices()[:1]), params)
+  engine8 = engine_lib.Engine(eight, mesh8, jax.device_put(params, shardings))
+  n = one.max_target_length - one.max_prefill_predict_length
+  requests = [engine_lib.Request(tuple(int(t) for t in p), n, logprobs=5, echo=True) for p in prompts]
+  for got, want in zip(engine8.generate(requests), engine1.generate(requests), strict=True):
+    assert got.tokens == want.tokens
+    for name in ("prompt_logprobs", "logprobs"):
+      got_lp, want_lp = ([x for x in getattr(r, name) if x is not None] for r in (got, want))
+      assert [[i for i, _ in x.top] for x in got_lp] == [[i for i, _ in x.top] for x in want_lp], name
+      np.testing.assert_allclose(
+        [[x.logprob] + [lp for _, lp in x.top] for x in got_lp],
+        [[x.logprob] + [lp for _, lp in x.top] for x in want_lp],
+        rtol=1e-5,
+        atol=1e-5,
+        err_msg=name,
+      )
+  return engine8
 
 
 def assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol: float, grad_atol: float):

@@ -15,7 +15,7 @@ import pytest
 
 from MaxText import checkpointing, convert_hf_checkpoint, convert_to_hf_checkpoint, families, sharding
 from MaxText import state as state_lib
-from MaxText.inference import decoding
+from MaxText.inference import engine as engine_lib
 from MaxText.layers import models
 from MaxText.tests.helpers import BASE_YML, config
 
@@ -139,15 +139,15 @@ def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
   theirs = hf_logits(model, tokens, valid)
   assert_close(our_logits(cfg, mesh, params, tokens, valid), theirs, valid)
 
-  # Greedy decoding (KV cache, compiled loop) against transformers' generate, per prompt.
-  dec = decoding.Decoder(cfg, mesh)
+  # Greedy decoding (the engine: paged KV cache, compiled loop) against transformers' generate, per prompt.
+  engine = engine_lib.Engine(cfg, mesh, params)
   prompts = [tokens[1, :13], tokens[2, :7]]
-  ours = dec.decode(params, prompts)
   n = cfg.max_target_length - cfg.max_prefill_predict_length
+  ours = engine.generate([engine_lib.Request(tuple(int(t) for t in p), n) for p in prompts])
   for prompt, got in zip(prompts, ours, strict=True):
     with torch.no_grad():
       want = model.generate(torch.from_numpy(prompt[None]).long(), do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    np.testing.assert_array_equal(got, want[0, len(prompt) :].numpy())
+    np.testing.assert_array_equal(got.tokens, want[0, len(prompt) :].numpy())
 
   # Export: the original tensors bit for bit, and transformers loads the folder with the same logits.
   out = str(tmp_path / "exported")

@@ -133,13 +133,13 @@ def test_layers_know_nothing_of_families_or_conversion():
 
 
 def test_the_order_readme_gives():
-  """README's Architecture: the owners of valid values -> pyconfig -> state, checkpointing, inference.decoding ->
+  """README's Architecture: the owners of valid values -> pyconfig -> state, checkpointing, inference.engine ->
   cli -> step -> the scripts; none of them reaches a module after it."""
   graph = _graph()
   order = [
     {"MaxText.optimizers", "MaxText.metrics", "MaxText.lora", "MaxText.input_pipeline", "MaxText.inference.sampling"},
     {"MaxText.pyconfig"},
-    {"MaxText.state", "MaxText.checkpointing", "MaxText.inference.decoding"},
+    {"MaxText.state", "MaxText.checkpointing", "MaxText.inference.engine"},
     {"MaxText.cli"},
     {"MaxText.step"},
   ]

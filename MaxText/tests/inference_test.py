@@ -1,4 +1,5 @@
-"""Decoding: the KV cache against full recomputation, sampling against numpy, batching, sharding, the CLI."""
+"""Decoding through the engine: the KV cache against full recomputation (tokens and logprobs), sampling against
+numpy, batching, sharding, the CLI."""
 
 import json
 import os
@@ -11,8 +12,8 @@ from flax import linen as nn
 
 from MaxText import common_types as ct
 from MaxText import decode, generate_param_only_checkpoint, inference_microbenchmark, sharding, train, train_tokenizer
-from MaxText.inference import decoding
-from MaxText.inference.sampling import Sampling, sample
+from MaxText.inference import engine as engine_lib
+from MaxText.inference.sampling import Sampling, sample_rows
 from MaxText.layers import models
 from MaxText.tests.helpers import BASE_YML, assert_sharded_decode_equals_one_device, config, flip_a_stored_bit, overrides
 
@@ -25,83 +26,106 @@ def _params(cfg):
   return model, nn.meta.unbox(model.init({"params": jax.random.key(0)}, tokens, segments, positions))["params"]
 
 
-def _decoder(cfg, devices=1):
-  return decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:devices]))
+def _engine(cfg, params, devices=1, **options):
+  return engine_lib.Engine(cfg, sharding.create_mesh(cfg, jax.devices()[:devices]), params, **options)
 
 
 def _prompts(cfg, lengths, seed=0):
   rng = np.random.default_rng(seed)
-  return [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in lengths]
+  return [tuple(int(t) for t in rng.integers(1, cfg.vocab_size, n)) for n in lengths]
+
+
+def _generate(engine, prompts, cfg, **settings):
+  """Each prompt's generated tokens (max_target_length - max_prefill_predict_length at most), as decode.py asks."""
+  n = cfg.max_target_length - cfg.max_prefill_predict_length
+  return [r.tokens for r in engine.generate([engine_lib.Request(p, n, **settings) for p in prompts])]
 
 
 def _full_forward_greedy(model, params, prompt, n):
-  """Greedy decoding by recomputing the whole forward pass at each step: (tokens, logits of each step).
+  """Greedy decoding by recomputing the whole forward pass at each step: (tokens, logits [prompt + n, vocab] of
+  every position of the prompt and the generated tokens, the last one's excluded).
 
   The sequence is right-padded to a fixed length (padding is causally after it) so one compile serves.
   """
-  seq, logits = list(prompt), []
+  seq = list(prompt)
   width = len(prompt) + n
   forward = jax.jit(lambda t, s: model.apply({"params": params}, t, s, jnp.arange(width)[None]))
   for _ in range(n):
     tokens = np.zeros((1, width), np.int32)
     tokens[0, : len(seq)] = seq
-    out = np.asarray(forward(tokens, (tokens * 0 + 1) * (np.arange(width) < len(seq))))[0, len(seq) - 1]
-    logits.append(out)
-    seq.append(int(np.argmax(out)))
-  return np.asarray(seq[len(prompt) :]), np.stack(logits)
+    logits = np.asarray(forward(tokens, (tokens * 0 + 1) * (np.arange(width) < len(seq))))[0]
+    seq.append(int(np.argmax(logits[len(seq) - 1])))
+  return seq[len(prompt) :], logits[: width - 1]
+
+
+def _log_softmax(logits):
+  """float64 log-softmax over the last axis, in numpy (the reference the engine's logprobs are checked against)."""
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _assert_logprobs(got, want_lp, targets, k):
+  """Engine TokenLogprobs `got` against reference logprobs [n, vocab]: each target's logprob, and the top k ids
+  (most likely first) with their logprobs (float32 against float64: rtol and atol 1e-5)."""
+  assert len(got) == len(targets)
+  for i, (lp, target) in enumerate(zip(got, targets, strict=True)):
+    top = np.argsort(-want_lp[i], kind="stable")[:k]
+    assert [t for t, _ in lp.top] == list(top), i
+    np.testing.assert_allclose(
+      [lp.logprob, *(x for _, x in lp.top)], [want_lp[i, target], *want_lp[i, top]], rtol=1e-5, atol=1e-5, err_msg=i
+    )
 
 
 @pytest.mark.parametrize("scan", ["true", "false"])
 def test_cache_matches_full_forward_token_for_token(scan):
-  """Prefill + cached steps give the full forward's logits (float32, rtol 1e-5), and the compiled generate
-  loop gives greedy full recomputation's tokens, with GQA, scanned or unrolled."""
+  """The engine (prefill, then cached steps in the compiled loop) gives greedy full recomputation's tokens, and its
+  logprobs are the full forward's: the prompt's (echo: the prefill's logits) and each generated token's with the 5
+  most likely (the cached steps' logits), with GQA, scanned or unrolled."""
   cfg = config(*DECODE, f"scan_layers={scan}")
   model, params = _params(cfg)
-  dec = _decoder(cfg)
   prompt = _prompts(cfg, [11])[0]
   n = cfg.max_target_length - cfg.max_prefill_predict_length
   want_tokens, want_logits = _full_forward_greedy(model, params, prompt, n)
+  want = _log_softmax(want_logits)
 
-  tokens, lengths = decoding.pad_prompts([prompt], 1, cfg.max_prefill_predict_length)
-  logits, cache = dec.prefill(params, *dec.put_batch(tokens, lengths))
-  got = [np.asarray(logits[0])]
-  for token in want_tokens[:-1]:
-    logits, cache = dec.step(params, cache, jnp.asarray([token], jnp.int32))
-    got.append(np.asarray(logits[0]))
-  np.testing.assert_allclose(np.stack(got), want_logits, rtol=1e-5, atol=1e-5)
-
-  assert np.array_equal(dec.decode(params, [prompt])[0], want_tokens)
+  (result,) = _engine(cfg, params).generate([engine_lib.Request(prompt, n, logprobs=5, echo=True)])
+  assert result.tokens == want_tokens and result.finish_reason == "length"
+  assert result.prompt_logprobs[0] is None
+  _assert_logprobs(result.prompt_logprobs[1:], want[: len(prompt) - 1], prompt[1:], 5)
+  _assert_logprobs(result.logprobs, want[len(prompt) - 1 :], want_tokens, 5)
 
 
 def test_prompt_lengths_share_compiled_programs():
-  """Prompts in one bucket reuse one prefill program; the generate loop compiles once for every bucket."""
+  """Prompts in one bucket reuse one prefill program; the generate loop compiles once for every bucket (nothing is
+  compiled for a prompt whose bucket ran before: the engine's compile time stays the same)."""
   cfg = config(*DECODE)
   _, params = _params(cfg)
-  dec = _decoder(cfg)
-  for lengths, prefills in (([5], 1), ([9], 1), ([16], 1), ([17], 2), ([30], 2)):
-    dec.decode(params, _prompts(cfg, lengths))
-    assert dec.prefill._cache_size() == prefills, lengths
-    assert dec.generate._cache_size() == 1, lengths
+  engine = _engine(cfg, params)
+  for lengths, compiles in (([5], True), ([9], False), ([16], False), ([17], True), ([30], False)):
+    before = engine.stats["compile_seconds"]
+    _generate(engine, _prompts(cfg, lengths), cfg)
+    assert (engine.stats["compile_seconds"] > before) == compiles, lengths
 
 
 def test_generate_stops_at_eos():
   cfg = config(*DECODE)
   _, params = _params(cfg)
   prompt = _prompts(cfg, [7])[0]
-  full = _decoder(cfg).decode(params, [prompt])[0]
-  eos = int(full[5])
-  first = int(np.flatnonzero(full == eos)[0])
-  stopped = decoding.Decoder(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), eos_id=eos).decode(params, [prompt])[0]
-  assert np.array_equal(stopped, full[:first])
+  full = _generate(_engine(cfg, params), [prompt], cfg)[0]
+  eos = full[5]
+  first = full.index(eos)
+  (stopped,) = _engine(cfg, params, eos_id=eos).generate([engine_lib.Request(prompt, len(full))])
+  assert stopped.tokens == full[:first] and stopped.finish_reason == "stop"
 
 
 def test_ids_beyond_the_tokenizer_are_never_sampled():
   """A tokenizer smaller than vocab_size: decoding samples only ids it can turn into text."""
-  cfg = config(*DECODE, "decode_sampling_strategy=weighted", "decode_sampling_temperature=5.0")
+  cfg = config(*DECODE)
   _, params = _params(cfg)
-  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
-  out = decoding.Decoder(cfg, mesh, num_tokens=10).decode(params, _prompts(cfg, [4]))[0]
-  assert len(out) == 16 and out.max() < 10
+  prompt = (3, 1, 4, 1)  # a prompt the tokenizer can write
+  out = _generate(_engine(cfg, params, num_tokens=10), [prompt], cfg, temperature=5.0, seed=0)[0]
+  assert len(out) == 16 and max(out) < 10
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -109,87 +133,112 @@ def _logits(vocab=50, rows=4, seed=0):
   return jax.random.normal(jax.random.key(seed), (rows, vocab)) * 3.0
 
 
-def _draws(logits, sampling, n=200):
-  """[n, rows]: draw i with jax.random.key(i), all n in one compiled call."""
-  keys = jax.vmap(jax.random.key)(jnp.arange(n))
-  return np.asarray(jax.jit(jax.vmap(lambda key: sample(logits, key, sampling)))(keys))
+def _draws(logits, temperature, top_k=0, top_p=1.0, n=200):
+  """[n, rows]: sample_rows with per-row settings (a scalar is every row's); draw i gives row r the key
+  fold_in(key(i), r); all n in one compiled call."""
+  rows = logits.shape[0]
+  settings = [jnp.broadcast_to(jnp.asarray(v, dtype), (rows,)) for v, dtype in
+              ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32))]  # fmt: skip
+  keys = jax.vmap(lambda i: jax.vmap(lambda r: jax.random.fold_in(jax.random.key(i), r))(jnp.arange(rows)))(jnp.arange(n))
+  return np.asarray(jax.jit(jax.vmap(lambda k: sample_rows(logits, k, *settings)))(keys))
 
 
 def test_temperature_to_zero_is_greedy():
-  logits = _logits()
+  """Rows at temperature 0 and 1e-4, plain, top-k and nucleus, in one batch: every draw is the argmax."""
+  logits = _logits(rows=6)
   greedy = np.argmax(np.asarray(logits), axis=-1)
-  for strategy in ("weighted", "topk", "nucleus"):
-    for temperature in (0.0, 1e-4):
-      draws = _draws(logits, Sampling(strategy, temperature=temperature), n=20)
-      assert (draws == greedy).all(), (strategy, temperature)
+  draws = _draws(logits, [0.0, 1e-4, 0.0, 1e-4, 0.0, 1e-4], [0, 0, 5, 5, 0, 0], [1.0, 1.0, 1.0, 1.0, 0.9, 0.9], n=20)
+  assert (draws == greedy).all()
 
 
 def test_topk_samples_only_the_k_most_likely():
+  """Each row its own k (1, 3, 5, 8) at temperature 2: draws only from that row's k most likely tokens."""
   logits = _logits()
-  k = 5
-  allowed = np.argsort(-np.asarray(logits, np.float64), axis=-1)[:, :k]
-  draws = _draws(logits, Sampling("topk", temperature=2.0, top_k=k))
-  for row in range(logits.shape[0]):
-    assert set(draws[:, row]) <= set(allowed[row])
-    assert len(set(draws[:, row])) > 1, "the check must be able to fail: more than one token is drawn"
+  ks = [1, 3, 5, 8]
+  draws = _draws(logits, 2.0, top_k=ks)
+  order = np.argsort(-np.asarray(logits, np.float64), axis=-1)
+  for row, k in enumerate(ks):
+    assert set(draws[:, row]) <= set(order[row, :k])
+    if k > 1:
+      assert len(set(draws[:, row])) > 1, "the check must be able to fail: more than one token is drawn"
 
 
 def test_nucleus_samples_only_the_smallest_set_reaching_p():
+  """Each row its own p (0.3, 0.6, 0.6, 0.9): draws only from that row's smallest set of most likely tokens whose
+  mass reaches p."""
   logits = _logits()
-  p = 0.6
+  ps = [0.3, 0.6, 0.6, 0.9]
   probs = np.exp(np.asarray(logits, np.float64))
   probs /= probs.sum(-1, keepdims=True)
-  draws = _draws(logits, Sampling("nucleus", temperature=1.0, nucleus_p=p))
-  for row in range(logits.shape[0]):
+  draws = _draws(logits, 1.0, top_p=ps)
+  for row, p in enumerate(ps):
     order = np.argsort(-probs[row])
     size = int(np.searchsorted(np.cumsum(probs[row][order]), p) + 1)  # smallest prefix with mass >= p
     assert set(draws[:, row]) <= set(order[:size])
 
 
 def test_weighted_sampling_follows_the_softmax():
-  logits = jnp.asarray([[0.0, 1.0, 2.0, -1.0]])
-  draws = _draws(logits, Sampling("weighted", temperature=1.0), n=3000)[:, 0]
-  probs = np.exp(np.asarray(logits[0], np.float64))
-  probs /= probs.sum()
-  freq = np.bincount(draws, minlength=4) / len(draws)
-  sigma = np.sqrt(probs * (1 - probs) / len(draws))
-  assert np.all(np.abs(freq - probs) < 4 * sigma), (freq, probs)
+  """Rows at temperature 1 and 2 draw with the frequencies of softmax(logits / temperature), within 4 sigma."""
+  logits = jnp.asarray([[0.0, 1.0, 2.0, -1.0]] * 2)
+  draws = _draws(logits, [1.0, 2.0], n=3000)
+  for row, temperature in enumerate([1.0, 2.0]):
+    probs = np.exp(np.asarray(logits[row], np.float64) / temperature)
+    probs /= probs.sum()
+    freq = np.bincount(draws[:, row], minlength=4) / len(draws)
+    sigma = np.sqrt(probs * (1 - probs) / len(draws))
+    assert np.all(np.abs(freq - probs) < 4 * sigma), (row, freq, probs)
+
+
+def test_a_row_samples_as_if_alone():
+  """sample_rows: a row's draw depends on its own logits, key and settings only, not on the rows beside it (which
+  may be greedy, filtered or not)."""
+  logits = _logits(rows=4)
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(7), r))(jnp.arange(4))
+  temperature, top_k, top_p = jnp.asarray([1.5, 0.0, 0.7, 1.0]), jnp.asarray([0, 0, 4, 0]), jnp.asarray([1, 1, 1, 0.8])
+  batched = np.asarray(sample_rows(logits, keys, temperature, top_k, top_p))
+  for row in range(4):
+    alone = sample_rows(logits[row : row + 1], keys[row : row + 1], temperature[row : row + 1], top_k[row : row + 1],
+                        top_p[row : row + 1])  # fmt: skip
+    assert int(alone[0]) == batched[row], row
 
 
 def test_sampling_is_reproducible_with_a_seed():
-  cfg = config(*DECODE, "decode_sampling_strategy=weighted", "decode_sampling_temperature=1.5")
+  cfg = config(*DECODE)
   _, params = _params(cfg)
-  dec = _decoder(cfg)
+  engine = _engine(cfg, params)
   prompts = _prompts(cfg, [5, 9])
-  a, b = dec.decode(params, prompts, seed=3), dec.decode(params, prompts, seed=3)
-  c = dec.decode(params, prompts, seed=4)
-  assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-  assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+  a, b = (_generate(engine, prompts, cfg, temperature=1.5, seed=3) for _ in range(2))
+  c = _generate(engine, prompts, cfg, temperature=1.5, seed=4)
+  assert a == b and a != c
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "weighted"])
 def test_a_row_decodes_as_if_alone(strategy):
-  """Prompts of different lengths (and an empty padding row) batched give each prompt's output alone."""
+  """Prompts of different lengths generating together in 4 slots (one idle) give each prompt's output alone."""
   lengths = [3, 30, 9]
   batched_cfg = config(*DECODE, "per_device_batch_size=4", f"decode_sampling_strategy={strategy}")
   alone_cfg = config(*DECODE, f"decode_sampling_strategy={strategy}")
   _, params = _params(batched_cfg)
   prompts = _prompts(batched_cfg, lengths)
-  batched = _decoder(batched_cfg).decode(params, prompts)
-  alone = [_decoder(alone_cfg).decode(params, [p])[0] for p in prompts]
-  for x, y in zip(batched, alone, strict=True):
-    assert np.array_equal(x, y)
-    assert len(x) == batched_cfg.max_target_length - batched_cfg.max_prefill_predict_length
+  temperature, top_k, top_p = Sampling.from_config(batched_cfg).request_settings()
+  settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": 5}
+  batched = _generate(_engine(batched_cfg, params), prompts, batched_cfg, **settings)
+  alone = [_generate(_engine(alone_cfg, params), [p], alone_cfg, **settings)[0] for p in prompts]
+  assert batched == alone
+  assert all(len(x) == batched_cfg.max_target_length - batched_cfg.max_prefill_predict_length for x in batched)
 
 
 def test_sharded_decode_equals_single_device():
-  """fsdp=4 x tensor=2 on 8 devices: the cache's batch and kv heads are sharded; same logits and tokens."""
+  """fsdp=4 x tensor=2 on 8 devices: the paged cache's kv heads are split over tensor (pages and their tokens are
+  not split); same tokens and logprobs."""
   one = config(*DECODE, "per_device_batch_size=8")
   eight = config(*DECODE, "per_device_batch_size=1", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
   _, params = _params(one)
-  cache8 = assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
-  assert cache8.keys.sharding.spec == sharding.logical_to_mesh_spec((ct.LAYERS, *ct.CACHE_AXES), eight)
-  assert len(cache8.keys.sharding.device_set) == 8
+  engine8 = assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
+  spec = sharding.logical_to_mesh_spec((ct.LAYERS, None, None, ct.CACHE_HEADS, ct.CACHE_KV), eight)
+  for pool in engine8.pool:
+    assert pool.sharding.spec == spec and spec[3] in ("tensor", ("tensor",))
+    assert pool.addressable_shards[0].data.shape[3] == eight.num_kv_heads // 2
 
 
 # ------------------------------------------------------------------------------------------ the CLI
