@@ -140,6 +140,24 @@ def check_finetune(request, tmp_path):
   assert len(re.findall(r"^== accuracy: ", text, re.M)) == 4
 
 
+def check_eval(request, tmp_path):
+  """eval_demo.sh --quick from the quick start's checkpoint (about 50 s): lm-eval through serve.py on 8 held-out
+  questions, and decode.py on the same."""
+  base_run = os.path.join(request.getfixturevalue("quickstart")[0], "demo")
+  out = tmp_path / "eval"
+  text = run_script(["end_to_end/eval_demo.sh", "--quick", str(out), base_run])
+  with open(out / "eval" / "accuracy.json", encoding="utf-8") as f:
+    summary = json.load(f)
+  n = summary["questions"]
+  assert n == 8, summary  # --quick: the first 8 held-out questions
+  # Greedy through the engine, the server and lm-eval, as through decode.py: the same text, so the same score.
+  assert summary["identical_generations"] == n and summary["lm_eval_gen_exact_match"] == summary["decode_exact_match"]
+  for key, label in (("lm_eval_gen_exact_match", "exact match"), ("lm_eval_mc_acc", "acc")):
+    assert summary[key] * n == pytest.approx(round(summary[key] * n), abs=1e-9), summary  # a share of 8 questions
+    ((printed,),) = numbers(rf"lm-eval finetune_heldout_\w+ +{label} +({NUMBER}) over 8 questions", text)
+    assert abs(printed - summary[key]) <= 5e-5, (printed, summary)  # printed to 4 decimals
+
+
 def check_long_context(request, tmp_path):
   """long_context_cpu.sh --quick (about 25 s): its summary reads only the metrics files' step records."""
   text = run_script(["end_to_end/long_context_cpu.sh", "--quick", str(tmp_path / "long")])
@@ -230,6 +248,7 @@ SHORT_MODES = {
   "end_to_end/quickstart_demo.sh": check_quickstart,
   "end_to_end/plot_metrics.py": check_plot_metrics,
   "end_to_end/finetune_demo.sh": check_finetune,
+  "end_to_end/eval_demo.sh": check_eval,
   "end_to_end/long_context_cpu.sh": check_long_context,
   "end_to_end/context_parallel_cpu.sh": check_context_parallel,
   "end_to_end/benchmark_decode_cpu.sh": check_benchmark_decode,
