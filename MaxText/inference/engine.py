@@ -67,6 +67,7 @@ class Request:
   stop_token_ids: tuple[int, ...] = ()  # besides EOS, which always stops
   logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely alternatives
   echo: bool = False  # also the prompt tokens' logprobs (with logprobs)
+  ignore_eos: bool = False  # generate past EOS (benchmarks: a fixed number of tokens)
 
 
 @dataclasses.dataclass
@@ -230,6 +231,10 @@ class Engine:
     self._prefill_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_PREFILL)
     self._step_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_AUTOREGRESSIVE)
     self.pool = self._empty_pool(num_pages)
+    batch = sharding.logical_sharding((ct.CACHE_BATCH,), mesh, cfg).spec
+    split = batch[0] if batch else None
+    split = () if split is None else (split,) if isinstance(split, str) else split
+    self._batch_shards = int(np.prod([mesh.shape[a] for a in split], dtype=np.int64))
     self._executables = {}
     self.stats = collections.Counter()  # seconds and counts: prefill, generate, compile, steps, tokens
     # The host's side: the slots' requests, their page tables, the queue.
@@ -348,7 +353,7 @@ class Engine:
     """Up to `self.steps` decode steps of every active slot -> (pool, slots, tokens [slots, steps], (logprobs,
     top ids, top logprobs) of each when asked, steps run). Stops when no slot is active, or when a slot
     finished and `refill` says a request waits for it."""
-    n, k = self.num_slots, self.steps
+    n, k = slots.last.shape[0], self.steps
     out = {"tokens": jnp.full((n, k), self.pad_id, jnp.int32)}
     if logprobs:
       out |= {
@@ -619,7 +624,7 @@ class Engine:
 
   def _start_decoding(self, slot: int, row: "_Row", token: int, logprob) -> None:
     request, host = row.request, self._host
-    stop_ids = sorted({self.eos_id, *request.stop_token_ids} - {-1})
+    stop_ids = sorted({*request.stop_token_ids, *(() if request.ignore_eos else (self.eos_id,))} - {-1})
     host["stop_ids"][slot] = -1
     host["stop_ids"][slot, : len(stop_ids)] = stop_ids
     sampling = self._sampling(request, row.seed)
@@ -633,32 +638,41 @@ class Engine:
     host["active"][slot] = not stopped
     self._emit(slot, row, [token], [logprob])
 
+  def _rows_bucket(self, busy: int) -> int:
+    """How many slot rows a generate call runs for `busy` active ones: a power of two (so few sizes compile),
+    a multiple of the ways the batch is split, at most every slot. Idle slots cost nothing this way."""
+    size = 1
+    while size < busy:
+      size *= 2
+    shards = self._batch_shards
+    return min(-(-size // shards) * shards, self.num_slots)
+
   def _decode(self) -> None:
     host = self._host
-    for slot, row in enumerate(self._rows):
-      if row is not None and host["active"][slot]:
-        self._take_pages(slot, row, int(host["lengths"][slot]) + self.steps)
+    active = [slot for slot in range(self.num_slots) if host["active"][slot]]
+    for slot in active:
+      self._take_pages(slot, self._rows[slot], int(host["lengths"][slot]) + self.steps)
+    idle = [slot for slot in range(self.num_slots) if not host["active"][slot]]
+    rows = np.asarray(active + idle[: self._rows_bucket(len(active)) - len(active)])
     with self._lock:
       refill = bool(self._waiting)
-    logprobs = any(row is not None and row.request.logprobs is not None for row in self._rows)
-    slots = Slots(**host)
+    logprobs = any(self._rows[slot].request.logprobs is not None for slot in active)
+    slots = Slots(**{name: value[rows] for name, value in host.items()})
     self.pool, slots, out, count = self._call(
-      "generate", self._generate, self.params, self.pool, self._table, slots, np.bool_(refill), logprobs=logprobs
+      "generate", self._generate, self.params, self.pool, self._table[rows], slots, np.bool_(refill), logprobs=logprobs
     )
-    slots, out, count = _fetch((slots, out, int(count) if jax.process_count() == 1 else count))
-    count = int(count)
-    self.stats["steps"] += count
-    was_active = host["active"].copy()
-    self._host = {name: np.array(getattr(slots, name)) for name in host}
-    for slot, row in enumerate(self._rows):
-      if row is None or not was_active[slot]:
-        continue
-      made = int(self._host["counter"][slot] - host["counter"][slot])
+    slots, out, count = _fetch((slots, out, count))
+    self.stats["steps"] += int(count)
+    before = host["counter"][rows]
+    for name, value in host.items():
+      value[rows] = getattr(slots, name)
+    for j, slot in enumerate(rows[: len(active)]):
+      made = int(host["counter"][slot] - before[j])
       self.stats["tokens"] += made
       lps = None
       if logprobs:
-        lps = [(float(out["logprob"][slot, i]), out["top_ids"][slot, i], out["top_logprobs"][slot, i]) for i in range(made)]
-      self._emit(slot, row, [int(t) for t in out["tokens"][slot, :made]], lps)
+        lps = [(float(out["logprob"][j, i]), out["top_ids"][j, i], out["top_logprobs"][j, i]) for i in range(made)]
+      self._emit(int(slot), self._rows[slot], [int(t) for t in out["tokens"][j, :made]], lps)
 
   def _emit(self, slot: int, row: "_Row", tokens: list[int], logprobs) -> None:
     """Sends a slot's new tokens (the stop token left out) and frees the slot when it finished."""
