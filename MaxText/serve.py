@@ -1,0 +1,824 @@
+"""OpenAI-compatible HTTP server over the continuous-batching engine (inference/engine.py):
+`python3 MaxText/serve.py MaxText/configs/base.yml load_parameters_path=PATH tokenizer_path=PATH [key=value ...]`.
+
+The config keys are decode.py's (model, checkpoint, tokenizer, max_prefill_predict_length, max_target_length, ...)
+plus base.yml's serving section: server_host (127.0.0.1: this machine only), server_port, server_api_key (set it
+as M_SERVER_API_KEY=KEY in the environment, so that no command line shows it), server_max_queue and
+served_model_name.
+
+Endpoints, in OpenAI's shapes (vLLM's extensions where OpenAI has none: top_k, stop_token_ids, the tokenizer ones):
+  POST /v1/completions       prompt: text, a list of texts, token ids or a list of lists of token ids; n, echo,
+                             logprobs (0..5), stop, seed, stream. Text gets BOS per add_bos, token ids are sent as
+                             they are. max_tokens=0 with echo scores the prompt only (lm-eval's loglikelihood).
+  POST /v1/chat/completions  messages rendered by the chat template exactly as fine-tuning renders them
+                             (input_pipeline/sft.py, with the generation prompt); logprobs + top_logprobs, n, stream.
+  GET  /v1/models            the one model served;  GET /health  200 while the engine runs.
+  GET  /tokenizer_info, POST /tokenize, POST /detokenize   vLLM's tokenizer endpoints, which lm-eval's
+                             tokenizer_backend=remote uses to count tokens for any of our tokenizer files.
+
+Rules: with an API key, every route but /health needs `Authorization: Bearer KEY` (401 otherwise). Every error is
+OpenAI's `{"error": {"message", "type", "param", "code"}}` with the field named: bad JSON or a field of the wrong
+type or range 400, an unknown model 404, past the engine's queue 503. Unknown fields are ignored, as OpenAI's
+clients send extras. A client that disconnects, streaming or not, has its requests cancelled, freeing their slots.
+Logprob `text_offset`s index the choice's `text` (the prompt's text first, with echo).
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hmac
+import json
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
+  import script_path  # noqa: F401
+
+import fastapi
+import pydantic
+import starlette.exceptions
+import uvicorn
+from fastapi import responses
+from pydantic import Field
+from starlette.background import BackgroundTask
+
+from MaxText import cli
+from MaxText.common_types import Config, ConfigError, shown
+from MaxText.inference import engine as engine_lib
+from MaxText.input_pipeline import sft
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
+
+MAX_BODY_BYTES = 32 << 20  # A request body past this is refused (413): prompts are at most a few MB of token ids.
+MAX_CHOICES = 1024  # prompts x n in one request, so that one request cannot allocate without bound.
+MAX_STOP = 64  # stop strings or stop token ids in one request.
+MAX_LOGPROBS = 5  # the engine's limit (OpenAI's for completions).
+POLL_SECONDS = 0.25  # how often a non-streamed request looks for its client's disconnect.
+PIECE_CONTEXT = 4  # tokens before a token decoded with it, so that a SentencePiece "▁word" keeps its space.
+
+
+# ------------------------------------------------------------------------------------------------ options
+def check(config: Config) -> None:
+  """ConfigError for a serving key out of range."""
+  if not 0 <= config.server_port <= 65535:
+    raise ConfigError(f"server_port={config.server_port} is not a TCP port; give 1 to 65535 (0: any free port)")
+  if not config.server_host.strip():
+    raise ConfigError("server_host is empty; give the address to listen on, e.g. 127.0.0.1 (this machine only)")
+  if config.server_max_queue < 1:
+    raise ConfigError(f"server_max_queue={config.server_max_queue} must be at least 1 (requests waiting for a slot)")
+
+
+def served_name(config: Config) -> str:
+  """served_model_name, else run_name, else the run folder of load_parameters_path (.../RUN/checkpoints/STEP/items)."""
+  if config.served_model_name:
+    return config.served_model_name
+  if config.run_name:
+    return config.run_name
+  parts = [p for p in config.load_parameters_path.replace("\\", "/").split("/") if p]
+  while parts and (parts[-1] in ("items", "checkpoints") or parts[-1].isdigit()):
+    parts.pop()
+  return parts[-1] if parts else "maxtext"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What the app needs of the config (tests build one directly)."""
+
+  model_name: str
+  api_key: str = ""
+  add_bos: bool = True
+  chat_template: str = sft.FALLBACK_TEMPLATE  # Jinja text, as sft.find_template gives it
+
+  @classmethod
+  def from_config(cls, config: Config) -> "Options":
+    check(config)
+    template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
+    return cls(served_name(config), config.server_api_key, config.add_bos, template)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+class APIError(Exception):
+  """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = ""):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+    self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_response(error: APIError) -> responses.JSONResponse:
+  body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+  return responses.JSONResponse(body, status_code=error.status)
+
+
+def _param_of(message: str) -> str | None:
+  """The field an engine RequestError names first ("max_tokens=5000: ..." -> "max_tokens")."""
+  match = re.match(r"\s*([A-Za-z_][\w.\[\]]*)\s*[=:]", message)
+  return match.group(1) if match else None
+
+
+# Union fields: pydantic reports one error per member; one sentence says what the field takes.
+UNION_HINTS = {
+  "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+  "stop": "a string or a list of strings",
+  "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+def _is_union_tag(part: str) -> bool:
+  return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
+
+
+def _validation_error(first: dict) -> APIError:
+  """A request's first validation error (pydantic's dict) as a 400 naming the field, e.g. `messages[0].role: ...`."""
+  path, last = "", ""
+  for part in first["loc"]:
+    if isinstance(part, int):
+      path += f"[{part}]"
+    elif _is_union_tag(part):
+      if last in UNION_HINTS:
+        return APIError(400, f"{path} must be {UNION_HINTS[last]}", param=path)
+      continue
+    else:
+      path, last = f"{path}.{part}" if path else part, part
+  if first["type"] == "missing":
+    return APIError(400, f"{path} is required", param=path)
+  return APIError(400, f"{path}: {first['msg']} (got {shown(first.get('input'), 60)})", param=path or None)
+
+
+# ------------------------------------------------------------------------------------------------ requests
+class _Body(pydantic.BaseModel):
+  """Fields are typed strictly (a known field of the wrong type is a 400); unknown ones are ignored."""
+
+  model_config = pydantic.ConfigDict(extra="ignore", strict=True)
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _null_is_default(cls, data):
+    """A field given as null takes its default, as OpenAI's API does (clients send nulls for what they omit)."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Body):
+  include_usage: bool = False
+
+
+class _Sampling(_Body):
+  model: str | None = None
+  temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+  top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+  top_k: int = Field(0, ge=-1, le=1 << 30)  # vLLM's extension; -1 and 0 are off
+  n: int = Field(1, ge=1, le=128)
+  seed: int | None = Field(None, ge=0, lt=2**64 - 128)  # the engine's range; choice j of n samples with seed + j
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)  # vLLM's extension
+  ignore_eos: bool = False  # vLLM's extension: generate max_tokens past EOS (benchmarks)
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+
+
+class CompletionBody(_Sampling):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int = Field(16, ge=0)  # OpenAI's default
+  echo: bool = False
+  logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class ContentPart(_Body):
+  type: str
+  text: str | None = None
+
+
+class Message(_Body):
+  role: str
+  content: str | list[ContentPart] | None = None
+
+
+class ChatBody(_Sampling):
+  messages: list[Message] = Field(min_length=1)
+  max_tokens: int | None = Field(None, ge=1)
+  max_completion_tokens: int | None = Field(None, ge=1)
+  logprobs: bool = False
+  top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeBody(_Body):
+  prompt: str
+  add_special_tokens: bool = True
+
+
+class DetokenizeBody(_Body):
+  tokens: list[int]
+
+
+def _refuse_constant(name: str):
+  raise ValueError(f"{name} is not JSON")
+
+
+async def parse_body(request: fastapi.Request, model: type[_Body]) -> Any:
+  """The request's JSON body validated as `model`; APIError 413 or 400 naming the field."""
+  raw = bytearray()
+  async for chunk in request.stream():
+    raw += chunk
+    if len(raw) > MAX_BODY_BYTES:
+      raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send fewer or shorter prompts")
+  try:
+    body = json.loads(bytes(raw), parse_constant=_refuse_constant)
+  except (ValueError, RecursionError) as e:
+    raise APIError(400, f"the request body is not valid JSON ({shown(str(e), 100)}); send a JSON object") from None
+  if not isinstance(body, dict):
+    raise APIError(400, f"the request body is a JSON {type(body).__name__}; send a JSON object")
+  try:
+    return model.model_validate(body)
+  except pydantic.ValidationError as e:
+    raise _validation_error(e.errors(include_url=False)[0]) from None
+
+
+def _stop(body: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+  if len(stop) > MAX_STOP:
+    raise APIError(400, f"stop has {len(stop)} strings; give at most {MAX_STOP}", param="stop")
+  if "" in stop:
+    raise APIError(400, f"stop[{stop.index('')}] is empty; a stop string needs a character", param="stop")
+  ids = list(body.stop_token_ids or [])
+  _check_ids(ids, vocab_size, "stop_token_ids")
+  return tuple(stop), tuple(ids)
+
+
+def _check_ids(ids: list[int], vocab_size: int, name: str) -> None:
+  for i, token in enumerate(ids):
+    if not 0 <= token < vocab_size:
+      raise APIError(400, f"{name}[{i}]={token} is not a token id of this model (0 to {vocab_size - 1})", param=name)
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+class Submission:
+  """The engine requests of one HTTP request: their updates reach this event loop through a queue (the engine
+  calls back on its own thread), and those unfinished when the client goes are cancelled."""
+
+  def __init__(self, engine):
+    self.engine = engine
+    self.loop = asyncio.get_running_loop()
+    self.queue: asyncio.Queue = asyncio.Queue()
+    self.ids: dict[int, int] = {}  # choice index -> engine request id
+    self.done: set[int] = set()
+
+  def submit(self, requests: list) -> None:
+    """Checks every request first, so that a bad one submits none; APIError 400 or 503."""
+    try:
+      for request in requests:
+        self.engine.check(request)
+      for index, request in enumerate(requests):
+        self.ids[index] = self.engine.submit(request, functools.partial(self._on_update, index))
+    except engine_lib.RequestError as e:
+      self.cancel_unfinished()
+      raise APIError(400, str(e), param=_param_of(str(e))) from None
+    except engine_lib.QueueFull as e:
+      self.cancel_unfinished()
+      raise APIError(503, f"the server is busy ({e}); retry later", code="queue_full") from None
+
+  def _on_update(self, index: int, update) -> None:  # On the engine's thread: must not block.
+    with contextlib.suppress(RuntimeError):  # The event loop has closed: the server is stopping.
+      self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, update))
+
+  async def updates(self, request: fastapi.Request | None = None) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, Update) until every choice finishes; with `request`, stops (cancelling) if its client goes."""
+    next_look = self.loop.time() + POLL_SECONDS
+    while len(self.done) < len(self.ids):
+      if request is not None and self.loop.time() >= next_look:  # also while updates keep coming
+        next_look = self.loop.time() + POLL_SECONDS
+        if await request.is_disconnected():
+          self.cancel_unfinished()
+          return
+      try:
+        index, update = await asyncio.wait_for(self.queue.get(), POLL_SECONDS)
+      except TimeoutError:
+        continue
+      if update.finish_reason is not None:
+        self.done.add(index)
+      yield index, update
+
+  def cancel_unfinished(self) -> None:
+    for index, request_id in self.ids.items():
+      if index not in self.done:
+        self.done.add(index)
+        self.engine.cancel(request_id)
+
+
+@dataclasses.dataclass
+class Choice:
+  """One choice as its updates arrive. With max_tokens=0 the engine generates one token (it needs max_tokens >= 1)
+  and it is dropped here: only the prompt's logprobs are wanted."""
+
+  prompt_ids: list[int]
+  keep_generated: bool = True
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  text: str = ""
+  logprobs: list = dataclasses.field(default_factory=list)
+  prompt_logprobs: list | None = None
+  finish_reason: str | None = None
+  started: bool = False
+
+  def take(self, update) -> "Choice":
+    """Adds `update`; returns what it adds, as a Choice holding only that."""
+    delta = Choice(self.prompt_ids, started=self.started)
+    if update.prompt_logprobs is not None:
+      delta.prompt_logprobs = self.prompt_logprobs = list(update.prompt_logprobs)
+    if self.keep_generated:
+      delta.tokens, delta.text, delta.logprobs = list(update.tokens), update.text, list(update.logprobs or [])
+      self.tokens += delta.tokens
+      self.text += delta.text
+      self.logprobs += delta.logprobs
+    if update.finish_reason is not None:
+      self.finish_reason = delta.finish_reason = update.finish_reason if self.keep_generated else "length"
+    self.started = True
+    return delta
+
+
+def _piece(tokenizer, context: list[int], token: int) -> str:
+  """The text `token` adds after `context` (decoded with a few tokens before it, so a leading space stays)."""
+  before = tokenizer.decode(context)
+  after = tokenizer.decode([*context, token])
+  return after[len(before) :] if after.startswith(before) else tokenizer.decode([token])
+
+
+class Pieces:
+  """Token texts and logprob entries in OpenAI's shapes, following the tokens as they are generated."""
+
+  def __init__(self, tokenizer, context: list[int], offset: int = 0):
+    self.tokenizer, self.context, self.offset = tokenizer, list(context[-PIECE_CONTEXT:]), offset
+
+  def completion(self, ids: list[int], entries: list) -> dict:
+    """Completions' logprobs for `ids`: tokens, token_logprobs, top_logprobs ({text: logprob}), text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(ids, entries, strict=False):
+      text = _piece(self.tokenizer, self.context, token)
+      top = None
+      if entry is not None:
+        top = {_piece(self.tokenizer, self.context, alt): lp for alt, lp in entry.top}
+        top.setdefault(text, entry.logprob)  # OpenAI's (and vLLM's): the chosen token is always there.
+      out["tokens"].append(text)
+      out["token_logprobs"].append(None if entry is None else entry.logprob)
+      out["top_logprobs"].append(top)
+      out["text_offset"].append(self.offset)
+      self._advance(token, text)
+    return out
+
+  def chat(self, ids: list[int], entries: list) -> list[dict]:
+    """Chat's logprobs content entries for `ids`."""
+    out = []
+    for token, entry in zip(ids, entries, strict=False):
+      text = _piece(self.tokenizer, self.context, token)
+      top = [self._entry(_piece(self.tokenizer, self.context, alt), lp) for alt, lp in entry.top]
+      out.append({**self._entry(text, entry.logprob), "top_logprobs": top})
+      self._advance(token, text)
+    return out
+
+  @staticmethod
+  def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+  def _advance(self, token: int, text: str) -> None:
+    self.context = [*self.context, token][-PIECE_CONTEXT:]
+    self.offset += len(text)
+
+
+def _join(parts: list[dict]) -> dict:
+  return {
+    key: [v for part in parts for v in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+  }
+
+
+def _usage(choices: list[Choice], prompts: list[list[int]]) -> dict:
+  prompt_tokens = sum(len(p) for p in prompts)
+  completion_tokens = sum(len(c.tokens) for c in choices)
+  return {
+    "prompt_tokens": prompt_tokens,
+    "completion_tokens": completion_tokens,
+    "total_tokens": prompt_tokens + completion_tokens,
+  }
+
+
+def _sse(payload: dict | str) -> str:
+  return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _streaming(events: AsyncIterator[str], submission: Submission) -> responses.StreamingResponse:
+  # The background task also cancels when the client left before the first event (the generator never ran).
+  return responses.StreamingResponse(
+    events, media_type="text/event-stream", background=BackgroundTask(submission.cancel_unfinished)
+  )
+
+
+# ------------------------------------------------------------------------------------------------ the app
+@dataclasses.dataclass
+class Server:
+  """The app's state: the engine, the tokenizer, the options and the compiled chat template."""
+
+  engine: Any
+  tokenizer: tokenizer_lib.Tokenizer
+  options: Options
+  template: Any
+  stopping: bool = False
+
+  def sampling(self, body: _Sampling, **fields) -> dict:
+    stop, stop_ids = _stop(body, self.tokenizer.vocab_size)
+    top_k = max(body.top_k, 0)
+    common = {
+      "temperature": body.temperature,
+      "top_k": top_k,
+      "top_p": body.top_p,
+      "stop": stop,
+      "stop_token_ids": stop_ids,
+      "ignore_eos": body.ignore_eos,
+    }
+    return {**common, **fields}
+
+  def requests(self, prompts: list[list[int]], body: _Sampling, max_tokens: list[int], **fields) -> list:
+    """n engine Requests per prompt, choice i*n+j (seeds seed, seed+1, ... when a seed is given)."""
+    if len(prompts) * body.n > MAX_CHOICES:
+      raise APIError(400, f"{len(prompts)} prompts x n={body.n} is over {MAX_CHOICES} choices; send fewer", param="n")
+    sampling = self.sampling(body, **fields)
+    return [
+      engine_lib.Request(
+        prompt=tuple(ids),
+        max_tokens=limit,
+        seed=None if body.seed is None else body.seed + j,
+        **sampling,
+      )
+      for ids, limit in zip(prompts, max_tokens, strict=True)
+      for j in range(body.n)
+    ]
+
+  def room(self, ids: list[int]) -> int:
+    """Tokens the cache leaves after the prompt `ids` (the default max_tokens when none is given)."""
+    return max(self.engine.max_length - len(ids), 1)
+
+  def check_model(self, body: _Sampling) -> None:
+    if body.model is not None and body.model != self.options.model_name:
+      raise APIError(
+        404,
+        f"model={body.model!r} does not exist; this server serves {self.options.model_name!r} (GET /v1/models)",
+        param="model",
+        code="model_not_found",
+      )
+
+  def text_prompt(self, text: str) -> list[int]:
+    """[BOS] text, as decode.prompt_tokens encodes a prompt without a chat template."""
+    bos = [self.tokenizer.bos_id] if self.options.add_bos and self.tokenizer.bos_id >= 0 else []
+    return bos + self.tokenizer.encode(text)
+
+  def completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
+    """(token ids, text) of each prompt of a completions request."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+      prompt = [prompt]
+    if not prompt:
+      raise APIError(400, "prompt is an empty list; give a prompt", param="prompt")
+    ids, texts = [], []
+    for i, p in enumerate(prompt):
+      if len(p) == 0:
+        raise APIError(400, f"prompt[{i}] is empty; give at least one character or token", param="prompt")
+      if isinstance(p, str):
+        ids.append(self.text_prompt(p))
+        texts.append(p)
+      else:
+        _check_ids(p, self.tokenizer.vocab_size, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
+        ids.append(list(p))
+        texts.append(self.tokenizer.decode(p))
+    return ids, texts
+
+  def chat_prompt(self, messages: list[Message]) -> list[int]:
+    """The conversation's tokens through the chat template, with the generation prompt (as sft renders it)."""
+    turns = []
+    for i, message in enumerate(messages):
+      content = message.content or ""
+      if not isinstance(content, str):
+        if any(part.type != "text" or part.text is None for part in content):
+          raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+        content = "".join(part.text for part in content)
+      role = "system" if message.role == "developer" else message.role
+      if role not in sft.ROLES:
+        raise APIError(400, f"messages[{i}].role={message.role!r}; give one of {list(sft.ROLES)}", param="messages")
+      turns.append({"role": role, "content": content})
+    try:
+      return sft.render(self.template, self.tokenizer, turns, add_generation_prompt=True)
+    except ConfigError as e:
+      raise APIError(400, f"messages: {e}", param="messages") from None
+
+
+def _head(kind: str, model: str) -> dict:
+  prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+  return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
+
+
+async def completions(server: Server, request: fastapi.Request):
+  body = await parse_body(request, CompletionBody)
+  server.check_model(body)
+  prompts, texts = server.completion_prompts(body.prompt)
+  wanted = [body.max_tokens] * len(prompts)
+  echo_logprobs = body.echo and body.logprobs is not None
+  requests = server.requests(prompts, body, [max(m, 1) for m in wanted], logprobs=body.logprobs, echo=echo_logprobs)
+  submission = Submission(server.engine)
+  submission.submit(requests)
+  choices = [Choice(prompts[i // body.n], keep_generated=wanted[i // body.n] > 0) for i in range(len(requests))]
+  texts = [texts[i // body.n] for i in range(len(requests))]
+  view = CompletionView(server, body, choices, texts)
+  if body.stream:
+    return _streaming(view.events(submission), submission)
+  try:
+    async for index, update in submission.updates(request):
+      choices[index].take(update)
+  finally:
+    submission.cancel_unfinished()
+  return view.response(prompts)
+
+
+class CompletionView:
+  """Completions' response, whole or as server-sent events."""
+
+  def __init__(self, server: Server, body: CompletionBody, choices: list[Choice], texts: list[str]):
+    self.server, self.body, self.choices, self.texts = server, body, choices, texts
+    self.head = _head("text_completion", server.options.model_name)
+    echo_len = [len(t) if body.echo else 0 for t in texts]
+    self.pieces = [Pieces(server.tokenizer, [], 0) for _ in choices]
+    self.generated = [Pieces(server.tokenizer, c.prompt_ids, n) for c, n in zip(choices, echo_len, strict=True)]
+
+  def delta(self, index: int, delta: Choice) -> dict:
+    """One choice's new part: the prompt first (with echo), then what was generated."""
+    first = not delta.started
+    text = (self.texts[index] if first and self.body.echo else "") + delta.text
+    logprobs = None
+    if self.body.logprobs is not None:
+      parts = []
+      if first and self.body.echo:
+        parts.append(self.pieces[index].completion(delta.prompt_ids, delta.prompt_logprobs or []))
+      parts.append(self.generated[index].completion(delta.tokens, delta.logprobs))
+      logprobs = _join(parts)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+  def response(self, prompts: list[list[int]]) -> dict:
+    out = []
+    for index, choice in enumerate(self.choices):
+      whole = Choice(choice.prompt_ids, tokens=choice.tokens, text=choice.text, logprobs=choice.logprobs)
+      whole.prompt_logprobs, whole.finish_reason = choice.prompt_logprobs, choice.finish_reason
+      out.append(self.delta(index, whole))
+    return {**self.head, "choices": out, "usage": _usage(self.choices, prompts)}
+
+  async def events(self, submission: Submission) -> AsyncIterator[str]:
+    try:
+      async for index, update in submission.updates():
+        delta = self.choices[index].take(update)
+        if delta.started and not delta.tokens and not delta.text and delta.finish_reason is None:
+          continue
+        yield _sse({**self.head, "choices": [self.delta(index, delta)]})
+      if self.body.stream_options is not None and self.body.stream_options.include_usage:
+        prompts = [c.prompt_ids for c in self.choices[:: self.body.n]]
+        yield _sse({**self.head, "choices": [], "usage": _usage(self.choices, prompts)})
+      yield _sse("[DONE]")
+    finally:
+      submission.cancel_unfinished()
+
+
+async def chat_completions(server: Server, request: fastapi.Request):
+  body = await parse_body(request, ChatBody)
+  server.check_model(body)
+  if body.top_logprobs is not None and not body.logprobs:
+    raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+  ids = server.chat_prompt(body.messages)
+  limit = body.max_completion_tokens or body.max_tokens or server.room(ids)
+  logprobs = (body.top_logprobs or 0) if body.logprobs else None
+  submission = Submission(server.engine)
+  submission.submit(server.requests([ids], body, [limit], logprobs=logprobs))
+  choices = [Choice(ids) for _ in range(body.n)]
+  view = ChatView(server, body, choices)
+  if body.stream:
+    return _streaming(view.events(submission), submission)
+  try:
+    async for index, update in submission.updates(request):
+      choices[index].take(update)
+  finally:
+    submission.cancel_unfinished()
+  return view.response()
+
+
+class ChatView:
+  """Chat completions' response, whole or as `chat.completion.chunk` events."""
+
+  def __init__(self, server: Server, body: ChatBody, choices: list[Choice]):
+    self.body, self.choices = body, choices
+    self.pieces = [Pieces(server.tokenizer, c.prompt_ids) for c in choices]
+    self.model = server.options.model_name
+
+  def _logprobs(self, index: int, choice: Choice) -> dict | None:
+    return {"content": self.pieces[index].chat(choice.tokens, choice.logprobs)} if self.body.logprobs else None
+
+  def response(self) -> dict:
+    out = [
+      {
+        "index": i,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": self._logprobs(i, c),
+        "finish_reason": c.finish_reason,
+      }
+      for i, c in enumerate(self.choices)
+    ]
+    return {
+      **_head("chat.completion", self.model),
+      "choices": out,
+      "usage": _usage(self.choices, [self.choices[0].prompt_ids]),
+    }
+
+  async def events(self, submission: Submission) -> AsyncIterator[str]:
+    head = _head("chat.completion.chunk", self.model)
+    try:
+      for i in range(len(self.choices)):
+        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield _sse({**head, "choices": [role]})
+      async for index, update in submission.updates():
+        delta = self.choices[index].take(update)
+        if not delta.text and not delta.tokens and delta.finish_reason is None:
+          continue
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        part = {
+          "index": index,
+          "delta": content,
+          "logprobs": self._logprobs(index, delta),
+          "finish_reason": delta.finish_reason,
+        }
+        yield _sse({**head, "choices": [part]})
+      if self.body.stream_options is not None and self.body.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(self.choices, [self.choices[0].prompt_ids])})
+      yield _sse("[DONE]")
+    finally:
+      submission.cancel_unfinished()
+
+
+def _add_error_handlers(app: fastapi.FastAPI) -> None:
+  async def api_error(request, error: APIError):
+    return error_response(error)
+
+  async def http_error(request, error: starlette.exceptions.HTTPException):
+    code = "not_found" if error.status_code == 404 else None
+    return error_response(APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", code=code))
+
+  async def validation_error(request, error: fastapi.exceptions.RequestValidationError):
+    first = dict(error.errors()[0])
+    first["loc"] = tuple(first["loc"])[1:]  # ("body", field, ...)
+    return error_response(_validation_error(first))
+
+  async def internal_error(request, error: Exception):
+    return error_response(APIError(500, f"internal error ({type(error).__name__}); the server logged it"))
+
+  app.add_exception_handler(APIError, api_error)
+  app.add_exception_handler(starlette.exceptions.HTTPException, http_error)
+  app.add_exception_handler(fastapi.exceptions.RequestValidationError, validation_error)
+  app.add_exception_handler(Exception, internal_error)
+
+
+def create_app(engine, tokenizer: tokenizer_lib.Tokenizer, config_or_options: Config | Options) -> fastapi.FastAPI:
+  """The OpenAI-compatible app over a started `engine` (inference/engine.py's interface) and its tokenizer."""
+  options = config_or_options if isinstance(config_or_options, Options) else Options.from_config(config_or_options)
+  try:
+    template = sft.compile_template(options.chat_template)
+  except ConfigError as e:
+    raise ConfigError(f"chat template: {e}") from None
+  server = Server(engine, tokenizer, options, template)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    yield
+    server.stopping = True
+
+  def authorize(request: fastapi.Request) -> None:
+    if not options.api_key:
+      return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), options.api_key.encode()):
+      raise APIError(401, "missing or wrong API key; send `Authorization: Bearer KEY`", code="invalid_api_key")
+
+  app = fastapi.FastAPI(title="MaxText", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+  app.state.server = server
+  _add_error_handlers(app)
+  api = fastapi.APIRouter(dependencies=[fastapi.Depends(authorize)])
+
+  @api.post("/v1/completions")
+  async def post_completions(request: fastapi.Request):
+    return await completions(server, request)
+
+  @api.post("/v1/chat/completions")
+  async def post_chat_completions(request: fastapi.Request):
+    return await chat_completions(server, request)
+
+  _add_info_routes(api, server)
+  app.include_router(api)
+
+  @app.get("/health")
+  def health():
+    running = getattr(engine, "running", None)  # Engine.running(): its scheduling thread is alive.
+    if server.stopping or (callable(running) and not running()):
+      raise APIError(503, "the engine is not running", code="engine_stopped")
+    return {}
+
+  return app
+
+
+def _add_info_routes(api: fastapi.APIRouter, server: Server) -> None:
+  created = int(time.time())
+  tokenizer, options = server.tokenizer, server.options
+
+  @api.get("/v1/models")
+  def models():
+    card = {"id": options.model_name, "object": "model", "created": created, "owned_by": "maxtext"}
+    return {"object": "list", "data": [{**card, "root": options.model_name, "max_model_len": server.engine.max_length}]}
+
+  @api.get("/tokenizer_info")
+  def tokenizer_info():
+    names = ("bos_token", "eos_token", "pad_token", "unk_token")
+    specials = {name: tokenizer.special_tokens.get(name) for name in names}
+    return {**specials, "chat_template": options.chat_template, "model_max_length": server.engine.max_length}
+
+  @api.post("/tokenize")
+  async def tokenize(request: fastapi.Request):
+    body = await parse_body(request, TokenizeBody)
+    bos = [tokenizer.bos_id] if body.add_special_tokens and options.add_bos and tokenizer.bos_id >= 0 else []
+    tokens = bos + tokenizer.encode_with_specials(body.prompt)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": server.engine.max_length}
+
+  @api.post("/detokenize")
+  async def detokenize(request: fastapi.Request):
+    body = await parse_body(request, DetokenizeBody)
+    _check_ids(body.tokens, tokenizer.vocab_size, "tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def listen(host: str, port: int) -> socket.socket:
+  """A listening socket on host:port; ConfigError (one line) when the address is taken or not this machine's."""
+  try:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+  except OSError as e:
+    raise ConfigError(
+      f"server_host={host} server_port={port}: cannot listen there ({e.strerror or e}); pick another port or host"
+    ) from None
+  sock.listen(2048)
+  return sock
+
+
+def serve(config: Config) -> int:
+  """Binds first (a taken port fails before the checkpoint loads), then loads the engine and serves until SIGINT or
+  SIGTERM; the engine stops as the server does."""
+  options = Options.from_config(config)
+  sock = listen(config.server_host, config.server_port)
+  loopback = config.server_host in ("127.0.0.1", "localhost", "::1")
+  if not loopback and not options.api_key:
+    print(
+      f"warning: server_host={config.server_host} with no server_api_key: anyone who reaches it can use it", file=sys.stderr
+    )
+  engine, tokenizer = engine_lib.Engine.from_config(config, max_queue=config.server_max_queue)
+  app = create_app(engine, tokenizer, options)
+  engine.start()
+  try:
+    host, port = sock.getsockname()[:2]
+    cli.log(f"Serving {options.model_name!r} at http://{host}:{port}/v1 (GET /health, /v1/models)")
+    # SIGINT or SIGTERM: new connections are refused, and streams still open after 5 s are cut (their requests then
+    # end as engine.stop() aborts them).
+    with _stop_signals_end_quietly():
+      uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
+  finally:
+    engine.stop()
+    sock.close()
+  cli.log("Stopped")
+  return 0
+
+
+@contextlib.contextmanager
+def _stop_signals_end_quietly():
+  """uvicorn stops on SIGINT or SIGTERM, then raises the signal again for the handler it found: with these no-op
+  handlers that second raise does nothing, so a stopped server exits 0 (after engine.stop) instead of as killed."""
+  if threading.current_thread() is not threading.main_thread():  # Python delivers signals to the main thread only.
+    yield
+    return
+  previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def main(argv) -> int:
+  return cli.run_cli(serve, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,629 @@
+"""serve.py: the OpenAI-compatible server, driven through the `openai` client and raw HTTP.
+
+The engine here is FakeEngine, which honours inference/engine.py's interface (check, submit, cancel, start, stop,
+the Update stream) with a rule simple enough to be the tests' reference: generated token i is the prompt's token
+(offset + i) mod its length (offset 0 greedily, the seed when sampling), and each token's logprob follows from
+its id (`fake_logprob`), with k - 1 alternatives (whole words) each a nat less likely. Expected texts come from
+SentencePiece itself, not from the server's code.
+"""
+
+import contextlib
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from MaxText import serve
+from MaxText.common_types import ConfigError
+from MaxText.inference import engine as engine_lib
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.tests.helpers import BASE_YML, config, overrides
+
+MODEL = "tiny-demo"
+TEXT = "The sun of the sea is 3."
+SECONDS = 20  # the longest any wait in these tests may take
+
+
+# ------------------------------------------------------------------------------------------ the fake engine
+def fake_logprob(token: int) -> float:
+  return -0.25 * (1 + token % 5)
+
+
+class FakeEngine:
+  """inference/engine.py's interface over the echo rule of the module docstring, one token per slot per step."""
+
+  def __init__(self, tokenizer, slots=4, max_queue=8, max_prompt_length=48, max_length=64, delay=0.002):
+    self.tokenizer, self.slots, self.max_queue, self.delay = tokenizer, slots, max_queue, delay
+    self.max_prompt_length, self.max_length = max_prompt_length, max_length
+    self.lock = threading.Condition()
+    self.waiting, self.active, self.cancelled, self.submitted = [], {}, [], []
+    self.paused = threading.Event()  # set: no request leaves the queue
+    self.thread, self.stopping, self.next_id = None, False, 0
+    words = [t for w in ("sun", "moon", "sky", "sea", "The", "of") for t in tokenizer.encode(" " + w)]
+    self.alternatives = list(dict.fromkeys(words))
+
+  def entry(self, token: int, k: int) -> engine_lib.TokenLogprob:
+    """`token` as the most likely, then k - 1 alternatives, each a nat less likely."""
+    lp = fake_logprob(token)
+    others = [a for a in self.alternatives if a != token][: k - 1]
+    return engine_lib.TokenLogprob(lp, [(token, lp)][:k] + [(a, lp - j) for j, a in enumerate(others, 1)])
+
+  def check(self, request):
+    n = len(request.prompt)
+    if n == 0:
+      raise engine_lib.RequestError("prompt: the prompt is empty")
+    if n > self.max_prompt_length:
+      raise engine_lib.RequestError(f"prompt: {n} tokens, more than {self.max_prompt_length}")
+    if request.max_tokens < 1 or n + request.max_tokens > self.max_length:
+      raise engine_lib.RequestError(f"max_tokens={request.max_tokens}: over the cache's {self.max_length} tokens")
+    if any(not 0 <= t < self.tokenizer.vocab_size for t in request.prompt):
+      raise engine_lib.RequestError("prompt: token ids out of range")
+    if request.echo and request.logprobs is None:
+      raise engine_lib.RequestError("echo: needs logprobs")
+
+  def submit(self, request, on_update):
+    self.check(request)
+    with self.lock:
+      if len(self.waiting) >= self.max_queue:
+        raise engine_lib.QueueFull(f"{len(self.waiting)} wait")
+      request_id, self.next_id = self.next_id, self.next_id + 1
+      self.waiting.append((request_id, request, on_update))
+      self.submitted.append(request)
+      self.lock.notify()
+    return request_id
+
+  def cancel(self, request_id):
+    with self.lock:
+      self.cancelled.append(request_id)
+      self.waiting = [w for w in self.waiting if w[0] != request_id]
+      self.active.pop(request_id, None)
+
+  def running(self):
+    return self.thread is not None and self.thread.is_alive()
+
+  def start(self):
+    self.thread = threading.Thread(target=self._run, daemon=True)
+    self.thread.start()
+
+  def stop(self):
+    with self.lock:
+      self.stopping = True
+      self.lock.notify()
+    self.thread.join(SECONDS)
+
+  def _run(self):
+    while True:
+      with self.lock:
+        while not self.stopping and not self.active and (self.paused.is_set() or not self.waiting):
+          self.lock.wait(0.05)
+        if self.stopping:
+          return
+        while not self.paused.is_set() and self.waiting and len(self.active) < self.slots:
+          request_id, request, on_update = self.waiting.pop(0)
+          self.active[request_id] = {"request": request, "on_update": on_update, "tokens": [], "sent": "", "first": True}
+        rows = list(self.active.items())
+      for request_id, row in rows:
+        update = self._step(row)
+        with self.lock:
+          if request_id not in self.active:  # cancelled meanwhile: no update after a cancel
+            continue
+          if update.finish_reason is not None:
+            del self.active[request_id]
+        row["on_update"](update)
+      time.sleep(self.delay)
+
+  def _step(self, row) -> engine_lib.Update:
+    request = row["request"]
+    prompt = request.prompt
+    offset = (request.seed or 0) % len(prompt) if request.temperature > 0 else 0
+    token = prompt[(offset + len(row["tokens"])) % len(prompt)]
+    finish = "stop" if token in request.stop_token_ids else None
+    tokens = [] if finish else [token]
+    row["tokens"] += tokens
+    text = self.tokenizer.decode(row["tokens"])
+    cuts = [text.find(s) for s in request.stop if s in text]
+    if cuts:
+      text, finish = text[: min(cuts)], "stop"
+    if finish is None and len(row["tokens"]) >= request.max_tokens:
+      finish = "length"
+    if finish is None and request.stop:  # holds back what may be the start of a stop string
+      text = text[: len(text) - max(map(len, request.stop)) + 1]
+    new, row["sent"] = text[len(row["sent"]) :], row["sent"] + text[len(row["sent"]) :]
+    k = request.logprobs
+    update = engine_lib.Update(tokens, new, None if k is None else [self.entry(t, k) for t in tokens])
+    if row["first"] and request.echo:
+      update.prompt_logprobs = [None] + [self.entry(t, k) for t in prompt[1:]]
+    row["first"] = False
+    update.finish_reason = finish
+    return update
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def spm_path(tmp_path_factory):
+  from MaxText import train_tokenizer
+
+  root = tmp_path_factory.mktemp("serve")
+  pairs = [("sun", "sea"), ("moon", "sky"), ("System", "User"), ("Assistant", "brief")]
+  texts = [f"The {w} of the {v} is {n}, hi." for n in range(40) for w, v in pairs]
+  train_tokenizer.train(texts * 3, vocab_size=296, output=str(root / "tok.model"))
+  return str(root / "tok.model")
+
+
+@pytest.fixture(scope="module")
+def sp(spm_path):
+  """SentencePiece itself: the reference for what the server encodes and decodes."""
+  import sentencepiece as spm
+
+  return spm.SentencePieceProcessor(model_file=spm_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(spm_path):
+  return tokenizer_lib.load(spm_path)
+
+
+@contextlib.contextmanager
+def running(app):
+  """The app served by uvicorn in a thread on a free loopback port; yields its base URL, shuts it down after."""
+  import uvicorn
+
+  sock = serve.listen("127.0.0.1", 0)
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  try:
+    deadline = time.monotonic() + SECONDS
+    while not server.started:
+      assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+      time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+  finally:
+    server.should_exit = True
+    thread.join(SECONDS)
+    sock.close()
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@contextlib.contextmanager
+def started(tokenizer, api_key="", **engine_kw):
+  """(FakeEngine, base URL) of a running server over a started fake engine."""
+  engine = FakeEngine(tokenizer, **engine_kw)
+  engine.start()
+  try:
+    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL, api_key=api_key))) as url:
+      yield engine, url
+  finally:
+    engine.stop()
+
+
+@pytest.fixture
+def server(tokenizer):
+  with started(tokenizer) as (engine, url):
+    yield engine, url
+
+
+def client(url, key="none"):
+  import openai
+
+  return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=SECONDS)
+
+
+def post(url, path, body, headers=None, method="POST"):
+  """(status, parsed JSON or the raw text) of one HTTP request; `body` bytes, str or a JSON value."""
+  host, port = url.removeprefix("http://").split(":")
+  connection = http.client.HTTPConnection(host, int(port), timeout=SECONDS)
+  data = body if isinstance(body, bytes) else body.encode() if isinstance(body, str) else json.dumps(body).encode()
+  try:
+    connection.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    raw = response.read().decode()
+  finally:
+    connection.close()
+  try:
+    return response.status, json.loads(raw)
+  except ValueError:
+    return response.status, raw
+
+
+def assert_error(status, body, want_status, names):
+  """`body` is OpenAI's error shape with status `want_status` and a message naming `names`."""
+  assert status == want_status, (status, body)
+  assert isinstance(body, dict) and set(body) == {"error"}, body
+  assert set(body["error"]) == {"message", "type", "param", "code"}, body
+  assert names in body["error"]["message"], body
+
+
+def ids_of(sp, text, bos=True):
+  return ([sp.bos_id()] if bos else []) + sp.encode(text)
+
+
+# ------------------------------------------------------------------------------------------ completions
+def test_completion_text_and_usage_follow_the_engine(server, sp):
+  engine, url = server
+  ids = ids_of(sp, TEXT)
+  out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=5, temperature=0)
+  assert out.choices[0].text == sp.decode(ids[:5])
+  assert out.choices[0].finish_reason == "length" and out.choices[0].index == 0
+  assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 5)
+  assert engine.submitted[-1].prompt == tuple(ids)  # BOS first (add_bos), then the text's tokens
+  whole = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=len(ids), temperature=0)
+  assert whole.choices[0].text == TEXT  # echoing every prompt token gives the prompt back
+
+
+def test_batch_of_prompts_and_token_ids_with_n_and_seeds(server, sp):
+  engine, url = server
+  prompts = [TEXT, "The moon of the sky is 7."]
+  out = client(url).completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=2, temperature=0.7, seed=3)
+  assert [c.index for c in out.choices] == [0, 1, 2, 3]
+  for i, choice in enumerate(out.choices):
+    ids = ids_of(sp, prompts[i // 2])
+    seed = 3 + i % 2  # choice j of a prompt samples with seed + j
+    assert choice.text == sp.decode([ids[(seed + t) % len(ids)] for t in range(4)]), i
+  assert [r.seed for r in engine.submitted[-4:]] == [3, 4, 3, 4]
+  token_ids = [sp.encode("The sea"), sp.encode("is 3.")]
+  out = client(url).completions.create(model=MODEL, prompt=token_ids, max_tokens=2, temperature=0)
+  assert [c.text for c in out.choices] == [sp.decode(t[:2]) for t in token_ids]
+  assert [r.prompt for r in engine.submitted[-2:]] == [tuple(t) for t in token_ids]  # token ids as sent, no BOS
+
+
+def test_streamed_completion_equals_the_whole_one(server, sp):
+  _, url = server
+  chunks = list(
+    client(url).completions.create(
+      model=MODEL, prompt=TEXT, max_tokens=7, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+  )
+  assert len(chunks) >= 3  # streamed as it is generated, not all at once
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == sp.decode(ids_of(sp, TEXT)[:7])
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+
+
+def test_stop_strings_and_stop_token_ids(server, sp):
+  _, url = server
+  ids = ids_of(sp, TEXT)
+  out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=len(ids), temperature=0, stop=["sea"])
+  assert out.choices[0].text == TEXT[: TEXT.index("sea")] and out.choices[0].finish_reason == "stop"
+  out = client(url).completions.create(
+    model=MODEL, prompt=TEXT, max_tokens=len(ids), temperature=0, extra_body={"stop_token_ids": [ids[3]]}
+  )
+  assert out.choices[0].text == sp.decode(ids[:3]) and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_with_logprobs_is_what_lm_eval_parses(server, sp, max_tokens):
+  """lm-eval's loglikelihood request (token ids, echo, logprobs=1, max_tokens=1; or 0: the prompt alone)."""
+  from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+  _, url = server
+  context, continuation = sp.encode("The sun of the"), sp.encode(" sea is 3.")
+  ids = [sp.bos_id(), *context, *continuation]
+  body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": max_tokens, "logprobs": 1, "echo": True}
+  status, out = post(url, "/v1/completions", body)
+  assert status == 200, out
+  logprobs = out["choices"][0]["logprobs"]
+  generated = ids[:max_tokens]  # the echo rule's first token: the prompt's first
+  assert logprobs["token_logprobs"] == [None] + [fake_logprob(t) for t in ids[1:]] + [fake_logprob(t) for t in generated]
+  assert logprobs["top_logprobs"][0] is None and all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+  assert out["choices"][0]["text"] == sp.decode(ids) + sp.decode(generated)
+  offsets, text = logprobs["text_offset"], out["choices"][0]["text"]
+  assert offsets == sorted(offsets) and "".join(logprobs["tokens"]) == text
+  assert all(text[o:].startswith(t) for o, t in zip(offsets, logprobs["tokens"], strict=True))
+  assert out["usage"]["completion_tokens"] == max_tokens
+  if max_tokens == 1:  # lm-eval drops the last entry: the generated token
+    ctxlen = 1 + len(context)
+    ((total, greedy),) = LocalCompletionsAPI.parse_logprobs(out, tokens=[ids], ctxlens=[ctxlen])
+    assert total == pytest.approx(sum(fake_logprob(t) for t in continuation)) and greedy
+
+
+def test_generated_logprobs_with_alternatives(server, sp):
+  _, url = server
+  out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=3, temperature=0, logprobs=3)
+  ids, logprobs = ids_of(sp, TEXT)[:3], out.choices[0].logprobs
+  assert logprobs.token_logprobs == [fake_logprob(t) for t in ids]
+  assert [sorted(top.values(), reverse=True) for top in logprobs.top_logprobs] == [
+    [fake_logprob(t) - j for j in range(3)] for t in ids
+  ]
+
+
+# ------------------------------------------------------------------------------------------ chat
+def test_chat_renders_the_fallback_template_and_streams_the_same(server, sp, tokenizer):
+  _, url = server
+  # input_pipeline/sft.py's FALLBACK_TEMPLATE, written out: BOS, then "User: ...\n", then the generation prompt
+  # (which this SentencePiece model reads back with the line break as a space).
+  rendered = "User: hi sun\nAssistant:"
+  ids = [sp.bos_id(), *sp.encode(rendered)]
+  messages = [{"role": "user", "content": "hi sun"}]
+  out = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=len(ids), temperature=0)
+  assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == sp.decode(ids)
+  assert out.usage.prompt_tokens == len(ids) and out.choices[0].finish_reason == "length"
+  stream = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True, temperature=0)
+  chunks = list(stream)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == sp.decode(ids[:5])
+  assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+
+
+def test_chat_n_logprobs_and_stop(server, sp):
+  _, url = server
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "sea"}]}]
+  out = client(url).chat.completions.create(
+    model=MODEL, messages=messages, max_completion_tokens=4, n=2, logprobs=True, top_logprobs=2, temperature=0
+  )
+  ids = [sp.bos_id(), *sp.encode("System: be brief\nUser: sea\nAssistant:")]
+  for i, choice in enumerate(out.choices):
+    assert choice.index == i and choice.message.content == sp.decode(ids[:4])
+    assert [e.logprob for e in choice.logprobs.content] == [fake_logprob(t) for t in ids[:4]]
+    assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+  out = client(url).chat.completions.create(
+    model=MODEL, messages=messages, max_tokens=64 - len(ids), stop="brief", temperature=0
+  )
+  assert out.choices[0].message.content == "System: be " and out.choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------------------ info routes
+def test_models_health_and_tokenizer_routes(tokenizer, sp):
+  with started(tokenizer) as (engine, url):
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert post(url, "/health", b"", method="GET") == (200, {})
+    status, out = post(url, "/tokenize", {"prompt": TEXT})
+    assert status == 200 and out["tokens"] == ids_of(sp, TEXT)
+    eos = sp.id_to_piece(sp.eos_id())
+    assert post(url, "/tokenize", {"prompt": eos, "add_special_tokens": False})[1]["tokens"] == [sp.eos_id()]
+    assert post(url, "/detokenize", {"tokens": sp.encode(TEXT)}) == (200, {"prompt": TEXT})
+    info = post(url, "/tokenizer_info", b"", method="GET")[1]
+    assert info["eos_token"] == sp.id_to_piece(sp.eos_id()) and "Assistant" in info["chat_template"]
+    engine.stop()
+    assert_error(*post(url, "/health", b"", method="GET"), 503, "not running")
+
+
+# ------------------------------------------------------------------------------------------ bad input
+LONG = " ".join(["sun"] * 60)
+BAD = [
+  ("/v1/completions", b'{"prompt": "x", ', 400, "not valid JSON"),
+  ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+  ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "not valid JSON"),
+  ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+  ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+  ("/v1/completions", {"prompt": 5}, 400, "prompt must be"),
+  ("/v1/completions", {"prompt": [[1, "a"]]}, 400, "prompt must be"),
+  ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+  ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+  ("/v1/completions", {"prompt": []}, 400, "prompt"),
+  ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
+  ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
+  ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+  ("/v1/completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+  ("/v1/completions", {"prompt": "x", "max_tokens": 10**40}, 400, "max_tokens"),
+  ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+  ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+  ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+  ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+  ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
+  ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+  ("/v1/completions", {"prompt": "x", "stop": 7}, 400, "stop must be"),
+  ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+  ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model='gpt-4'"),
+  ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+  ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+  ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+  ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content must be"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "prompt"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 99}, 400, "max_tokens"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "m"}, 404, "model='m'"),
+  ("/v1/nothing", {}, 404, "/v1/nothing"),
+]
+
+
+def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_goes_on(server):
+  engine, url = server
+  for path, body, status, names in BAD:
+    got_status, got = post(url, path, body)
+    assert_error(got_status, got, status, names)
+  assert post(url, "/v1/completions", {"prompt": "x"}, method="GET")[0] == 405
+  assert not engine.submitted  # a bad request reaches no engine
+  status, out = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "unknown": {"a": [1]}, "user": 3})
+  assert status == 200 and out["choices"][0]["finish_reason"] == "length"  # unknown fields are ignored
+  assert post(url, "/v1/models", b"", method="GET")[1]["data"][0]["id"] == MODEL
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+  kinds = ["null", "bool", "int", "huge", "float", "str", "list", "dict"]
+  kind = rng.choice(kinds if depth < 3 else kinds[:6])
+  if kind == "list":
+    return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+  if kind == "dict":
+    return {
+      rng.choice(["role", "content", "a", "type", "text"]): _random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))
+    }
+  return {
+    "null": None,
+    "bool": rng.random() < 0.5,
+    "int": rng.randint(-3, 70),
+    "huge": rng.choice([10**30, -(10**30), 2**63, 1e308]),
+    "float": rng.uniform(-2, 2),
+    "str": rng.choice(["", "sun", "x" * 200, "\u202e\x00", "</s>"]),
+  }[kind]
+
+
+# Values each field might plausibly take (valid or near it), so that fuzzed requests also reach the engine.
+PLAUSIBLE = {
+  "prompt": ["sun", ["sun", "sea"], [5, 6], [[5], [6, 7]], "", None],
+  "messages": [[{"role": "user", "content": "sun"}], [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}]],
+  "max_tokens": [0, 1, 3, 40, None],
+  "temperature": [0, 0.5, None],
+  "top_p": [0.5, 1],
+  "top_k": [0, -1, 3],
+  "n": [1, 2, 3],
+  "seed": [0, 7, None],
+  "stop": ["s", ["a", "b"], None],
+  "stop_token_ids": [[5], []],
+  "echo": [True, False],
+  "logprobs": [0, 1, 5, True, None],
+  "top_logprobs": [0, 2],
+  "stream": [True, False],
+  "model": [MODEL, "other", None],
+  "max_completion_tokens": [1, 4],
+  "stream_options": [{"include_usage": True}, {}],
+  "tokens": [[5, 6], []],
+}
+
+
+def _fuzz_request(rng: random.Random) -> tuple[str, bytes, str]:
+  path = rng.choice(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+  good = {"prompt": "sun", "messages": [{"role": "user", "content": "sun"}], "max_tokens": 3, "tokens": [5]}
+  body = {k: v for k, v in good.items() if rng.random() < 0.9}
+  for field in rng.sample(sorted(PLAUSIBLE), rng.randint(1, 4)):
+    body[field] = rng.choice(PLAUSIBLE[field]) if rng.random() < 0.6 else _random_value(rng)
+  raw = json.dumps(body).encode()
+  if rng.random() < 0.1:
+    raw = raw[: rng.randint(0, len(raw))]
+  content_type = rng.choice(["application/json", "text/plain", "application/x-www-form-urlencoded", ""])
+  return path, raw, content_type
+
+
+def test_fuzzed_requests_never_break_the_server(tokenizer):
+  """300 malformed requests from a seeded generator: each is answered (an OpenAI error or a valid response, never
+  a 500), and a correct request still succeeds after them."""
+  rng = random.Random(32)
+  with started(tokenizer, delay=0.0005) as (engine, url):
+    deadline = time.monotonic() + 120
+    for i in range(300):
+      assert time.monotonic() < deadline, f"fuzz case {i}: too slow"
+      path, raw, content_type = _fuzz_request(rng)
+      status, body = post(url, path, raw, {"Content-Type": content_type})
+      assert status in (200, 400, 404, 413, 503), (i, path, raw[:200], status, body)
+      if status != 200:
+        assert_error(status, body, status, "")
+    out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + SECONDS
+    while engine.active or engine.waiting:  # every fuzzed request finished or was cancelled
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------------------ key, queue, disconnect
+def test_api_key_is_required_when_set(tokenizer):
+  import openai
+
+  with started(tokenizer, api_key="s3cret") as (_, url):
+    body = {"prompt": "x", "max_tokens": 1}
+    assert_error(*post(url, "/v1/completions", body), 401, "API key")
+    assert_error(*post(url, "/v1/completions", body, {"Authorization": "Bearer wrong"}), 401, "API key")
+    assert_error(*post(url, "/v1/models", b"", {"Authorization": "s3cret"}, method="GET"), 401, "API key")
+    assert_error(*post(url, "/v1/completions", b"{bad", {"Authorization": "Bearer nope"}), 401, "API key")
+    assert post(url, "/v1/completions", body, {"Authorization": "Bearer s3cret"})[0] == 200
+    assert post(url, "/health", b"", method="GET")[0] == 200  # health checks need no key
+    with pytest.raises(openai.AuthenticationError):
+      client(url, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert client(url, "s3cret").completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+def _wait_waiting(engine, count: int) -> None:
+  deadline = time.monotonic() + SECONDS
+  while len(engine.waiting) != count:
+    assert time.monotonic() < deadline, f"{len(engine.waiting)} requests wait, not {count}"
+    time.sleep(0.01)
+
+
+def test_past_the_queue_is_503_and_the_queued_ones_finish(tokenizer):
+  with started(tokenizer, max_queue=2) as (engine, url):
+    engine.paused.set()  # nothing leaves the queue
+    results = []
+
+    def queued():
+      thread = threading.Thread(
+        target=lambda: results.append(post(url, "/v1/completions", {"prompt": "sun", "max_tokens": 2}))
+      )
+      thread.start()
+      return thread
+
+    first = queued()
+    _wait_waiting(engine, 1)  # request 0 waits
+    status, body = post(url, "/v1/completions", {"prompt": ["sea", "sky"], "max_tokens": 2})
+    assert_error(status, body, 503, "busy")  # its first prompt fitted (request 1), the second did not
+    assert body["error"]["code"] == "queue_full" and engine.cancelled == [1]
+    _wait_waiting(engine, 1)
+    second = queued()
+    _wait_waiting(engine, 2)
+    assert_error(*post(url, "/v1/completions", {"prompt": "sun", "max_tokens": 2}), 503, "busy")
+    engine.paused.clear()
+    for thread in (first, second):
+      thread.join(SECONDS)
+    assert [status for status, _ in results] == [200, 200]
+
+
+def _open_raw(url, body: dict) -> socket.socket:
+  host, port = url.removeprefix("http://").split(":")
+  sock = socket.create_connection((host, int(port)), timeout=SECONDS)
+  data = json.dumps(body).encode()
+  head = (
+    f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+  )
+  sock.sendall(head.encode() + data)
+  return sock
+
+
+def _wait_cancelled(engine, count: int) -> None:
+  deadline = time.monotonic() + SECONDS
+  while len(engine.cancelled) < count:
+    assert time.monotonic() < deadline, "the engine request of a gone client was not cancelled"
+    time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(tokenizer, stream):
+  with started(tokenizer, delay=0.02) as (engine, url):
+    sock = _open_raw(url, {"prompt": "sun", "max_tokens": 60, "stream": stream})
+    if stream:
+      received, deadline = b"", time.monotonic() + SECONDS
+      while b"data: " not in received:  # the stream has started
+        assert time.monotonic() < deadline
+        received += sock.recv(65536)
+    else:
+      deadline = time.monotonic() + SECONDS
+      while not engine.active:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    _wait_cancelled(engine, 1)
+    assert engine.cancelled == [0] and not engine.active
+    out = client(url).completions.create(model=MODEL, prompt="sun", max_tokens=2)  # still serving
+    assert out.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_serving_keys_are_checked_and_named():
+  with pytest.raises(ConfigError, match=r"server_port=70000 is not a TCP port"):
+    serve.check(config("server_port=70000"))
+  with pytest.raises(ConfigError, match=r"server_max_queue=0 must be at least 1"):
+    serve.check(config("server_max_queue=0"))
+  assert serve.served_name(config("run_name=", "load_parameters_path=/x/runs/demo/checkpoints/5/items")) == "demo"
+  assert serve.served_name(config("run_name=mine")) == "mine"
+  assert serve.served_name(config("served_model_name=m", "run_name=mine")) == "m"
+  options = serve.Options.from_config(config("server_api_key=k", "add_bos=false"))
+  assert (options.api_key, options.add_bos, options.model_name) == ("k", False, "test")
+
+
+def test_the_command_line_refuses_a_bad_key_in_one_line(capsys):
+  assert serve.main(["serve.py", BASE_YML, *overrides("server_port=-1")]) == 2
+  err = capsys.readouterr().err
+  assert err.strip() == "error: server_port=-1 is not a TCP port; give 1 to 65535 (0: any free port)", err
+
+
+def test_a_taken_port_is_one_config_error():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    with pytest.raises(ConfigError, match=rf"server_host=127.0.0.1 server_port={port}: cannot listen there"):
+      serve.listen("127.0.0.1", port)
