@@ -426,7 +426,7 @@ class Engine:
         f"max_tokens={request.max_tokens}: the prompt's {n} tokens and max_tokens exceed the cache's "
         f"{self.max_length} tokens (max_target_length); ask for at most {self.max_length - n}"
       )
-    vocab = self.num_tokens or self.config.vocab_size
+    vocab = min(self.num_tokens or self.config.vocab_size, self.config.vocab_size)
     if any(not 0 <= t < vocab for t in request.prompt):
       raise RequestError(f"prompt: token ids must be in [0, {vocab})")
     if request.seed is not None and not 0 <= request.seed < 2**64:
@@ -492,11 +492,12 @@ class Engine:
     if self._thread is not None:
       self._thread.join()
       self._thread = None
-    for row in [*self._rows, *self._waiting]:
+    for slot, row in enumerate(self._rows):
       if row is not None:
-        row.finish("abort")
+        self._free(slot, "abort")
+    for row in self._waiting:
+      row.finish("abort")
     self._waiting.clear()
-    self._rows = [None] * self.num_slots
 
   def running(self) -> bool:
     return self._thread is not None and self._thread.is_alive()
@@ -742,7 +743,14 @@ class _Row:
     if stops:
       begin = max(0, len(self.text) - max(map(len, stops)))
       hits = [i for i in (full.find(s, begin) for s in stops) if i >= 0]
-      if hits:
+      if hits:  # Tokens after the one that completes the stop string are dropped, with their logprobs.
+        end = next(
+          m
+          for m in range(self.sent_tokens + 1, len(self.tokens) + 1)
+          if any(stop in detokenize(self.tokens[:m]) for stop in stops)
+        )
+        del self.pending_logprobs[end - self.sent_tokens :]
+        del self.tokens[end:]
         return full[len(self.text) : max(min(hits), len(self.text))], True
     if final:
       return full[len(self.text) :], False

@@ -627,3 +627,59 @@ def test_a_taken_port_is_one_config_error():
     port = taken.getsockname()[1]
     with pytest.raises(ConfigError, match=rf"server_host=127.0.0.1 server_port={port}: cannot listen there"):
       serve.listen("127.0.0.1", port)
+
+
+# ------------------------------------------------------------------------------------------ the real engine
+def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path):
+  """serve.py over the real engine (a tiny random model, 4 slots): concurrent completions, streamed and not, and a
+  chat completion give the tokens, text and logprobs of Engine.generate run on each request alone."""
+  import concurrent.futures
+
+  import jax
+  from flax import linen as nn
+
+  from MaxText import sharding
+  from MaxText.inference import prompts
+  from MaxText.layers import models
+
+  cfg = config("override_model_config=true", "vocab_size=320", "dtype=float32", "max_target_length=48", "max_prefill_predict_length=32",
+               "per_device_batch_size=4", "pagedattn_tokens_per_page=4", f"tokenizer_path={spm_path}")  # fmt: skip
+  model = models.Transformer(cfg)
+  params = nn.meta.unbox(model.init({"params": jax.random.key(3)}, *models.init_inputs(1, 8)))["params"]
+  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+
+  def engine():
+    kw = {"eos_id": tokenizer.eos_id, "num_tokens": tokenizer.vocab_size, "detokenize": tokenizer.decode}
+    return engine_lib.Engine(cfg, mesh, params, **kw)
+
+  texts = [TEXT, "The moon of the sky is 7.", "System", "The sea of the sun is 12, hi. The"]
+  alone = [engine().generate([engine_lib.Request(tuple(ids_of(sp, t)), 12, logprobs=2)])[0] for t in texts]
+  assert len({tuple(r.tokens) for r in alone}) > 1  # the prompts lead to different outputs
+  chat_ids = prompts.chat_tokens(cfg, tokenizer, [{"role": "user", "content": "Which sea?"}])
+  chat_alone = engine().generate([engine_lib.Request(tuple(chat_ids), 10)])[0]
+
+  served = engine()
+  served.start()
+  try:
+    with running(serve.create_app(served, tokenizer, serve.Options(MODEL))) as url:
+
+      def ask(i):
+        kw = {"model": MODEL, "prompt": texts[i], "max_tokens": 12, "temperature": 0, "logprobs": 2}
+        if i % 2:
+          chunks = list(client(url).completions.create(stream=True, **kw))
+          return "".join(c.choices[0].text for c in chunks if c.choices), None
+        out = client(url).completions.create(**kw)
+        return out.choices[0].text, out.choices[0].logprobs
+
+      with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(len(texts))))
+      for (text, logprobs), want in zip(answers, alone, strict=True):
+        assert text == want.text
+        if logprobs is not None:
+          assert logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+      chat = client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Which sea?"}], max_tokens=10, temperature=0
+      )
+      assert chat.choices[0].message.content == chat_alone.text
+  finally:
+    served.stop()
