@@ -786,6 +786,8 @@ def serve(config: Config) -> int:
     )
   engine, tokenizer = engine_lib.Engine.from_config(config, max_queue=config.server_max_queue)
   app = create_app(engine, tokenizer, options)
+  engine.warmup()  # Every prefill size and number of generate rows compiled now, not while a client waits.
+  cli.log(f"Compiled the engine's programs in {engine.stats['compile_seconds']:.1f} s")
   engine.start()
   try:
     host, port = sock.getsockname()[:2]

@@ -309,7 +309,7 @@ class Engine:
   def _extend(self, params, pool, table, tokens, positions, valid):
     """tokens [batch, t] at `positions`, after the positions[:, 0] tokens each row's pages hold -> (logits
     [batch, t, vocab], the pool with their keys and values written)."""
-    slots = self.pages_per_row * self.page_size
+    slots = table.shape[1] * self.page_size
     batch = tokens.shape[0]
     held = positions[:, :1]
     cache_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
@@ -393,9 +393,8 @@ class Engine:
     count, pool, slots, out, _ = jax.lax.while_loop(cond, body, init)
     return pool, slots, out, count
 
-  def _call(self, name: str, fn, *args, **static):
-    """fn(*args) through an executable compiled once per argument shapes; stats[name + "_seconds"] counts the
-    runs, "compile_seconds" the compiles."""
+  def _compiled(self, name: str, fn, *args, **static):
+    """fn's executable for these argument shapes, compiled on first use ("compile_seconds" counts it)."""
     key = (name, tuple(sorted(static.items())), tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args[1:])))
     executable = self._executables.get(key)
     if executable is None:
@@ -404,10 +403,35 @@ class Engine:
       jitted = jax.jit(functools.partial(fn, **static), donate_argnums=(1,), out_shardings=out_shardings)
       executable = self._executables[key] = jitted.lower(*args).compile()
       self.stats["compile_seconds"] += time.perf_counter() - start
+    return executable
+
+  def _call(self, name: str, fn, *args, **static):
+    """fn(*args) through its compiled executable; stats[name + "_seconds"] counts the runs."""
+    executable = self._compiled(name, fn, *args, **static)
     start = time.perf_counter()
     out = jax.block_until_ready(executable(*args))
     self.stats[f"{name}_seconds"] += time.perf_counter() - start
     return out
+
+  def warmup(self) -> None:
+    """Compiles every program serving may run (each prefill chunk size, each number of generate rows and of pages
+    they read; without
+    logprobs), so that no request waits for a compile (serve.py calls it before it listens)."""
+    chunk = {"start": np.int32(0), "count": np.int32(1)}
+    sampling = {k: v[:1] for k, v in _empty_slots(1).items() if k in ("seeds", "temperature", "top_k", "top_p")}
+    widths = sorted({bucket(n, self.chunk) for n in range(1, self.chunk + 1)})
+    later = self.config.use_chunked_prefill or self.config.enable_prefix_caching
+    for width in widths:
+      tokens = np.zeros((1, width), np.int32)
+      for first in (True, False) if later else (True,):
+        args = (self.params, self.pool, self._table[:1], {**chunk, "tokens": tokens, "targets": tokens}, sampling)
+        self._compiled("prefill", self._prefill, *args, first=first, echo=False)
+    widths = sorted({_power_of_two(n, self.pages_per_row) for n in range(1, self.pages_per_row + 1)})
+    for rows in sorted({self._rows_bucket(n) for n in range(1, self.num_slots + 1)}):
+      slots = Slots(**{name: value[:rows] for name, value in self._host.items()})
+      for pages in widths:
+        table = self._table[:rows, :pages]
+        self._compiled("generate", self._generate, self.params, self.pool, table, slots, np.bool_(False), logprobs=False)
 
   # --------------------------------------------------------------------------------- requests
   def check(self, request: Request) -> None:
@@ -642,9 +666,7 @@ class Engine:
   def _rows_bucket(self, busy: int) -> int:
     """How many slot rows a generate call runs for `busy` active ones: a power of two (so few sizes compile),
     a multiple of the ways the batch is split, at most every slot. Idle slots cost nothing this way."""
-    size = 1
-    while size < busy:
-      size *= 2
+    size = _power_of_two(busy, self.num_slots)
     shards = self._batch_shards
     return min(-(-size // shards) * shards, self.num_slots)
 
@@ -659,8 +681,11 @@ class Engine:
       refill = bool(self._waiting)
     logprobs = any(self._rows[slot].request.logprobs is not None for slot in active)
     slots = Slots(**{name: value[rows] for name, value in host.items()})
+    # Attention reads only the pages the longest row will reach in this call (a power of two of them).
+    reach = max(int(host["lengths"][slot]) for slot in active) + self.steps
+    table = self._table[rows, : _power_of_two(self._pages_needed(reach), self.pages_per_row)]
     self.pool, slots, out, count = self._call(
-      "generate", self._generate, self.params, self.pool, self._table[rows], slots, np.bool_(refill), logprobs=logprobs
+      "generate", self._generate, self.params, self.pool, table, slots, np.bool_(refill), logprobs=logprobs
     )
     slots, out, count = _fetch((slots, out, count))
     self.stats["steps"] += int(count)
@@ -704,6 +729,14 @@ class Engine:
     self._table[slot] = 0
     if finish is not None:
       row.send(text, finish)
+
+
+def _power_of_two(n: int, limit: int) -> int:
+  """The smallest power of two >= n, at most `limit`."""
+  size = 1
+  while size < n:
+    size *= 2
+  return min(size, limit)
 
 
 def _pairs(ids, logprobs, k: int = MAX_TOP_LOGPROBS) -> list[tuple[int, float]]:

@@ -221,6 +221,27 @@ def check_benchmark_decode(request, tmp_path):
   assert row["loop_ms_per_step"] > 0 and row["loop_tokens_per_s"] == pytest.approx(1e3 / row["loop_ms_per_step"], rel=1e-6)
 
 
+def check_benchmark_serving(request, tmp_path):
+  """benchmark_serving.py --quick (about a minute): 1 and 4 clients against serve.py, then decode.py's batches."""
+  out = tmp_path / "serving"
+  text = run_script(["end_to_end/benchmark_serving.py", "--quick", "--out", str(out)])
+  with open(out / "serving.json", encoding="utf-8") as f:
+    report = json.load(f)
+  printed = numbers(rf"C= *(\d+): +({NUMBER}) output tokens/s \((\d+) tokens, ({NUMBER}) s\)", text)
+  assert [int(c) for c, *_ in printed] == [1, 4], text[-3000:]
+  for (clients, per_second, tokens, wall), level in zip(printed, report["levels"], strict=True):
+    # Every request answered with its max_tokens (the script checks the sum), the rate is tokens over the wall time.
+    assert (level["clients"], level["tokens"]) == (clients, tokens) and level["requests"] == 8
+    assert per_second == pytest.approx(level["tokens_per_s"], abs=0.05) and wall == pytest.approx(level["wall_s"], abs=0.05)
+    assert level["tokens_per_s"] == pytest.approx(level["tokens"] / level["wall_s"], rel=1e-9)
+    assert 0 < level["ttft_p50_ms"] <= level["ttft_p99_ms"] and 0 < level["itl_p50_ms"] <= level["itl_p99_ms"]
+  assert report["levels"][0]["tokens"] == report["levels"][1]["tokens"]  # the same workload at each level
+  decoded = numbers(rf"decode.py batch +(\d+): +({NUMBER}) tokens/s, ({NUMBER}) ms per step \((\d+) steps", text)
+  assert [int(b) for b, *_ in decoded] == [1, 4], text[-3000:]
+  for row in report["decode_py"]:
+    assert row["ms_per_step"] == pytest.approx(row["seconds"] / row["steps"] * 1e3, rel=0.01, abs=0.01)
+
+
 def check_grouped_matmul(request, tmp_path):
   """grouped_matmul_cpu.py --repeats 1 (about 4 s)."""
   text = run_script(["end_to_end/grouped_matmul_cpu.py", "--repeats", "1"])
@@ -252,6 +273,7 @@ SHORT_MODES = {
   "end_to_end/long_context_cpu.sh": check_long_context,
   "end_to_end/context_parallel_cpu.sh": check_context_parallel,
   "end_to_end/benchmark_decode_cpu.sh": check_benchmark_decode,
+  "end_to_end/benchmark_serving.py": check_benchmark_serving,
   "end_to_end/grouped_matmul_cpu.py": check_grouped_matmul,
   "end_to_end/hf_import_memory.py": check_hf_import_memory,
 }
