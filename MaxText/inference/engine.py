@@ -415,8 +415,7 @@ class Engine:
 
   def warmup(self) -> None:
     """Compiles every program serving may run (each prefill chunk size, each number of generate rows and of pages
-    they read; without
-    logprobs), so that no request waits for a compile (serve.py calls it before it listens)."""
+    they read; without logprobs), so that no request waits for a compile (serve.py calls it before it listens)."""
     chunk = {"start": np.int32(0), "count": np.int32(1)}
     sampling = {k: v[:1] for k, v in _empty_slots(1).items() if k in ("seeds", "temperature", "top_k", "top_p")}
     widths = sorted({bucket(n, self.chunk) for n in range(1, self.chunk + 1)})
