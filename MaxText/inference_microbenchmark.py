@@ -60,7 +60,7 @@ def random_params(config: Config, mesh, dtype):
 
 
 class _Clock:
-  """Differences of an engine's stats over a stretch of its work; `seconds(name)` leaves compilation out."""
+  """Differences of an engine's stats over a stretch of its work (its run clocks never count compilation)."""
 
   def __init__(self, engine):
     self.engine, self.start = engine, dict(engine.stats)
@@ -69,7 +69,7 @@ class _Clock:
     return self.engine.stats[name] - self.start.get(name, 0)
 
   def seconds(self, name: str) -> float:
-    return self.delta(name) - self.delta("compile_seconds")
+    return self.delta(name)
 
 
 def _requests(config: Config, rng, batch: int, length: int, max_tokens: int) -> list:

@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
 import fastapi
+import jax
 import pydantic
 import starlette.exceptions
 import uvicorn
@@ -272,6 +273,13 @@ class Submission:
 
   def submit(self, requests: list) -> None:
     """Checks every request first, so that a bad one submits none; APIError 400 or 503."""
+    if len(requests) > self.engine.max_queue:  # could never all wait at once: no retry would help
+      raise APIError(
+        400,
+        f"n: {len(requests)} choices (prompts x n) exceed the server's queue of {self.engine.max_queue} "
+        "(server_max_queue); send fewer prompts or a smaller n",
+        param="n",
+      )
     try:
       for request in requests:
         self.engine.check(request)
@@ -283,6 +291,9 @@ class Submission:
     except engine_lib.QueueFull as e:
       self.cancel_unfinished()
       raise APIError(503, f"the server is busy ({e}); retry later", code="queue_full") from None
+    except engine_lib.EngineFailed as e:
+      self.cancel_unfinished()
+      raise APIError(503, str(e), code="engine_failed") from None
 
   def _on_update(self, index: int, update) -> None:  # On the engine's thread: must not block.
     with contextlib.suppress(RuntimeError):  # The event loop has closed: the server is stopping.
@@ -513,6 +524,18 @@ class Server:
       raise APIError(400, f"messages: {e}", param="messages") from None
 
 
+ABORTED = "the engine stopped or failed before the request finished; retry it"
+
+
+def _check_not_aborted(choices: list["Choice"]) -> None:
+  if any(choice.finish_reason == "abort" for choice in choices):
+    raise APIError(500, ABORTED, code="engine_aborted", kind="server_error")
+
+
+def _aborted_event() -> str:
+  return _sse({"error": {"message": ABORTED, "type": "server_error", "param": None, "code": "engine_aborted"}})
+
+
 def _head(kind: str, model: str) -> dict:
   prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
   return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
@@ -524,7 +547,12 @@ async def completions(server: Server, request: fastapi.Request):
   prompts, texts = server.completion_prompts(body.prompt)
   wanted = [body.max_tokens] * len(prompts)
   echo_logprobs = body.echo and body.logprobs is not None
-  requests = server.requests(prompts, body, [max(m, 1) for m in wanted], logprobs=body.logprobs, echo=echo_logprobs)
+  fields = {"logprobs": body.logprobs, "echo": echo_logprobs}
+  if echo_logprobs and body.max_tokens <= 1:
+    # Scoring (lm-eval's log-likelihood): the one generated token is always returned, EOS or not, so the response's
+    # last logprob is the generated token's, as lm-eval expects.
+    fields |= {"ignore_eos": True, "stop": (), "stop_token_ids": ()}
+  requests = server.requests(prompts, body, [max(m, 1) for m in wanted], **fields)
   submission = Submission(server.engine)
   submission.submit(requests)
   choices = [Choice(prompts[i // body.n], keep_generated=wanted[i // body.n] > 0) for i in range(len(requests))]
@@ -537,6 +565,7 @@ async def completions(server: Server, request: fastapi.Request):
       choices[index].take(update)
   finally:
     submission.cancel_unfinished()
+  _check_not_aborted(choices)
   return view.response(prompts)
 
 
@@ -575,6 +604,9 @@ class CompletionView:
     try:
       async for index, update in submission.updates():
         delta = self.choices[index].take(update)
+        if delta.finish_reason == "abort":
+          yield _aborted_event()
+          return
         if delta.started and not delta.tokens and not delta.text and delta.finish_reason is None:
           continue
         yield _sse({**self.head, "choices": [self.delta(index, delta)]})
@@ -605,6 +637,7 @@ async def chat_completions(server: Server, request: fastapi.Request):
       choices[index].take(update)
   finally:
     submission.cancel_unfinished()
+  _check_not_aborted(choices)
   return view.response()
 
 
@@ -643,6 +676,9 @@ class ChatView:
         yield _sse({**head, "choices": [role]})
       async for index, update in submission.updates():
         delta = self.choices[index].take(update)
+        if delta.finish_reason == "abort":
+          yield _aborted_event()
+          return
         if not delta.text and not delta.tokens and delta.finish_reason is None:
           continue
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
@@ -778,6 +814,11 @@ def serve(config: Config) -> int:
   """Binds first (a taken port fails before the checkpoint loads), then loads the engine and serves until SIGINT or
   SIGTERM; the engine stops as the server does."""
   options = Options.from_config(config)
+  if jax.process_count() > 1:
+    raise ConfigError(
+      f"serve.py runs in one process (this job has {jax.process_count()}): its scheduler and HTTP server are one "
+      "process's; serve on one host's devices"
+    )
   sock = listen(config.server_host, config.server_port)
   loopback = config.server_host in ("127.0.0.1", "localhost", "::1")
   if not loopback and not options.api_key:

@@ -49,7 +49,8 @@ def random_checkpoint(out: str) -> str:
   if not os.path.isdir(items):
     print("== the demo model, random weights (one training step)", flush=True)
     run(["MaxText/train.py", "MaxText/configs/demo.yml", "run_name=random", f"base_output_directory={out}", "steps=1",
-         "dataset_type=synthetic", "eval_interval=-1", "enable_tensorboard=false", "per_device_batch_size=1", "log_config=false"])  # fmt: skip
+         "dataset_type=synthetic", "eval_interval=-1", "enable_tensorboard=false", "per_device_batch_size=1",
+         "log_config=false"])  # fmt: skip
   return items
 
 
@@ -63,7 +64,8 @@ class Server:
 
   def __init__(self, items: str, slots: int, out: str):
     args = [sys.executable, "MaxText/serve.py", "MaxText/configs/demo.yml", f"load_parameters_path={items}",
-            f"per_device_batch_size={slots}", "server_port=0", "served_model_name=demo", f"server_max_queue={4 * slots}", *MODEL]  # fmt: skip
+            f"per_device_batch_size={slots}", "server_port=0", "served_model_name=demo",
+            f"server_max_queue={4 * slots}", *MODEL]  # fmt: skip
     self.log = open(os.path.join(out, f"server_{slots}.log"), "w")  # noqa: SIM115 (closed in stop)
     self.process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600

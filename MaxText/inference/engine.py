@@ -55,6 +55,10 @@ class QueueFull(RuntimeError):
   """More requests wait than the queue holds."""
 
 
+class EngineFailed(RuntimeError):
+  """The engine's thread failed; it takes no more requests."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   prompt: tuple[int, ...]  # token ids, BOS included by the caller when wanted
@@ -247,6 +251,7 @@ class Engine:
     self._lock = threading.Condition()
     self._thread = None
     self._stopping = False
+    self.failure = None  # what ended the engine's thread, when it failed
 
   @classmethod
   def from_config(cls, config: Config, **options) -> tuple["Engine", object]:
@@ -472,6 +477,8 @@ class Engine:
   def submit(self, request: Request, on_update: Callable[[Update], None]) -> int:
     """Queues `request`; `on_update` gets its updates on the engine's thread. Returns its id."""
     self.check(request)
+    if self.failure is not None:
+      raise EngineFailed(f"the engine failed ({self.failure}); restart the server")
     with self._lock:
       if len(self._waiting) >= self.max_queue:
         raise QueueFull(f"{len(self._waiting)} requests wait already (the queue holds {self.max_queue})")
@@ -490,9 +497,10 @@ class Engine:
     """Runs `requests` to completion in the caller's thread (the engine must not be started)."""
     if self._thread is not None:
       raise RuntimeError("generate() runs the engine itself; it is started in a thread already")
+    for request in requests:  # every request checked before any is queued
+      self.check(request)
     results = [Result() for _ in requests]
     for request, result in zip(requests, results, strict=True):
-      self.check(request)
       self._waiting.append(_Row(self._next_id, request, result.add))
       self._next_id += 1
     while self.busy():
@@ -534,11 +542,18 @@ class Engine:
           return
       try:
         self.run_once()
-      except Exception:  # A failure ends every request it touched instead of hanging their clients.
+      except Exception as e:  # Ends every request instead of hanging its client; the engine (its pool possibly
+        # donated to the call that failed) takes no more.
         logging.exception("the engine failed; its requests are aborted")
+        self.failure = f"{type(e).__name__}: {e}"
+        with self._lock:
+          waiting, self._waiting = list(self._waiting), collections.deque()
         for slot, row in enumerate(self._rows):
           if row is not None:
             self._free(slot, "abort")
+        for row in waiting:
+          row.finish("abort")
+        return
 
   # --------------------------------------------------------------------------------- scheduling
   def run_once(self) -> None:
@@ -775,15 +790,17 @@ class _Row:
     if stops:
       begin = max(0, len(self.text) - max(map(len, stops)))
       hits = [i for i in (full.find(s, begin) for s in stops) if i >= 0]
-      if hits:  # Tokens after the one that completes the stop string are dropped, with their logprobs.
+      if hits:  # Cut at the token that completes a stop string first; later tokens go, with their logprobs.
         end = next(
           m
           for m in range(self.sent_tokens + 1, len(self.tokens) + 1)
-          if any(stop in detokenize(self.tokens[:m]) for stop in stops)
+          if any(stop in detokenize(self.tokens[:m])[begin:] for stop in stops)
         )
         del self.pending_logprobs[end - self.sent_tokens :]
         del self.tokens[end:]
-        return full[len(self.text) : max(min(hits), len(self.text))], True
+        full = detokenize(self.tokens)
+        cut = min(i for i in (full.find(s, begin) for s in stops) if i >= 0)
+        return full[len(self.text) : max(cut, len(self.text))], True
     if final:
       return full[len(self.text) :], False
     safe = len(full.rstrip("\ufffd"))

@@ -65,7 +65,7 @@ def _filtered(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
   vocab = logits.shape[-1]
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
   probs = jax.nn.softmax(ranked, axis=-1)
-  in_nucleus = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+  in_nucleus = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0)
   keep = jnp.minimum(k, jnp.maximum(jnp.sum(in_nucleus, axis=-1), 1))
   cut = jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1)
   return jnp.where(logits >= cut, logits, -jnp.inf)

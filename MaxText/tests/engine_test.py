@@ -561,3 +561,49 @@ def test_pages_take_match_cache_release_and_evict_least_recently_used():
   assert pages.available() == 0
   pages.release([0, *taken])
   assert pages.available() == 4
+
+
+def test_a_rejected_request_queues_none_of_its_call():
+  """generate() checks every request before it queues any: after a call refused for its second request, the next
+  call runs only its own (its prefill counts its tokens alone)."""
+  cfg = config(*DECODE, "per_device_batch_size=1")
+  eng = _engine(cfg, _params(cfg)[1])
+  good = engine_lib.Request((1, 2, 3), 4)
+  with pytest.raises(engine_lib.RequestError, match="prompt"):
+    eng.generate([good, engine_lib.Request((), 4)])
+  eng.generate([good])
+  assert eng.stats["prefill_tokens"] == 3
+
+
+def test_after_warmup_no_request_compiles():
+  """warmup() compiles every program the requests below need (prompts of every bucket, 1 to 3 busy slots, short
+  and long contexts, chunked prefill's later chunks): running them compiles nothing more."""
+  cfg = config(*DECODE, "use_chunked_prefill=true", "prefill_chunk_size=8")
+  eng = _engine(cfg, _params(cfg)[1])
+  eng.warmup()
+  compiled = eng.stats["compile_seconds"]
+  assert compiled > 0
+  eng.generate(_requests(cfg))
+  eng.generate(_requests(cfg, ((3, 2),)))
+  assert eng.stats["compile_seconds"] == compiled
+
+
+def test_a_stop_string_cuts_where_it_completes_first_whatever_the_burst():
+  """Stops ("bc ", "c") over tokens "bc", " ", "x": token by token, "c" completes first (with "bc"), so the text is
+  "b" and the tokens end with "bc", whether the tokens arrive one call at a time or in one burst (a burst's length
+  depends on the neighbours' early exits)."""
+  pieces = {1: "bc", 2: " ", 3: "x"}
+
+  def detokenize(tokens):
+    return "".join(pieces[t] for t in tokens)
+
+  for bursts in ([[1, 2, 3]], [[1], [2], [3]]):
+    updates = []
+    row = engine_lib._Row(0, engine_lib.Request((5,), 8, stop=("bc ", "c")), updates.append)
+    for burst in bursts:
+      row.tokens += burst
+      text, cut = row.new_text(detokenize, final=False)
+      row.send(text, "stop" if cut else None)
+      if cut:
+        break
+    assert ("".join(u.text for u in updates), row.tokens, updates[-1].finish_reason) == ("b", [1], "stop"), bursts

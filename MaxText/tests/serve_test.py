@@ -630,23 +630,29 @@ def test_a_taken_port_is_one_config_error():
 
 
 # ------------------------------------------------------------------------------------------ the real engine
+def _tiny_model(spm_path):
+  """(config, mesh, params) of a tiny random float32 model with the test tokenizer, 4 slots of 4-token pages."""
+  import jax
+  from flax import linen as nn
+
+  from MaxText import sharding
+  from MaxText.layers import models
+
+  cfg = config("override_model_config=true", "vocab_size=320", "dtype=float32", "max_target_length=48",
+               "max_prefill_predict_length=32", "per_device_batch_size=4", "pagedattn_tokens_per_page=4",
+               f"tokenizer_path={spm_path}")  # fmt: skip
+  params = nn.meta.unbox(models.Transformer(cfg).init({"params": jax.random.key(3)}, *models.init_inputs(1, 8)))
+  return cfg, sharding.create_mesh(cfg, jax.devices()[:1]), params["params"]
+
+
 def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path):
   """serve.py over the real engine (a tiny random model, 4 slots): concurrent completions, streamed and not, and a
   chat completion give the tokens, text and logprobs of Engine.generate run on each request alone."""
   import concurrent.futures
 
-  import jax
-  from flax import linen as nn
-
-  from MaxText import sharding
   from MaxText.inference import prompts
-  from MaxText.layers import models
 
-  cfg = config("override_model_config=true", "vocab_size=320", "dtype=float32", "max_target_length=48", "max_prefill_predict_length=32",
-               "per_device_batch_size=4", "pagedattn_tokens_per_page=4", f"tokenizer_path={spm_path}")  # fmt: skip
-  model = models.Transformer(cfg)
-  params = nn.meta.unbox(model.init({"params": jax.random.key(3)}, *models.init_inputs(1, 8)))["params"]
-  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+  cfg, mesh, params = _tiny_model(spm_path)
 
   def engine():
     kw = {"eos_id": tokenizer.eos_id, "num_tokens": tokenizer.vocab_size, "detokenize": tokenizer.decode}
@@ -683,3 +689,63 @@ def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path)
       assert chat.choices[0].message.content == chat_alone.text
   finally:
     served.stop()
+
+
+def test_lm_eval_scores_a_continuation_whose_next_token_is_eos(tokenizer, sp, spm_path):
+  """lm-eval's log-likelihood request (max_tokens=1, echo, logprobs=1) sums token_logprobs[ctxlen:-1], taking the
+  last entry for the generated token: it must be there even when that token is EOS (a fine-tuned model after its
+  answer), or lm-eval would drop the continuation's last token instead. Reference: the engine's prompt logprobs
+  with no EOS at all."""
+  from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+  cfg, mesh, params = _tiny_model(spm_path)
+  ids, ctxlen = [sp.bos_id(), *sp.encode(TEXT)], 4
+  kw = {"num_tokens": tokenizer.vocab_size, "detokenize": tokenizer.decode}
+  request = engine_lib.Request(tuple(ids), 1, logprobs=1, echo=True)
+  reference = engine_lib.Engine(cfg, mesh, params, eos_id=-1, **kw).generate([request])[0]
+  served = engine_lib.Engine(cfg, mesh, params, eos_id=reference.tokens[0], **kw)  # EOS is the greedy next token
+  served.start()
+  try:
+    with running(serve.create_app(served, tokenizer, serve.Options(MODEL))) as url:
+      body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
+      status, out = post(url, "/v1/completions", body)
+  finally:
+    served.stop()
+  assert status == 200, out
+  assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == len(ids) + 1
+  ((total, _),) = LocalCompletionsAPI.parse_logprobs(out, tokens=[ids], ctxlens=[ctxlen])
+  assert total == pytest.approx(sum(e.logprob for e in reference.prompt_logprobs[ctxlen:]), abs=1e-4)
+
+
+def test_more_choices_than_the_queue_holds_is_a_400_naming_n(tokenizer):
+  with started(tokenizer, max_queue=8) as (engine, url):
+    status, out = post(url, "/v1/completions", {"model": MODEL, "prompt": "The sun", "max_tokens": 2, "n": 13})
+    assert_error(status, out, 400, "n:")
+    assert not engine.submitted  # none of its choices reached the engine
+    assert post(url, "/v1/completions", {"model": MODEL, "prompt": "The sun", "max_tokens": 2, "n": 8})[0] == 200
+
+
+class AbortingEngine(FakeEngine):
+  """Ends every request with "abort", as the real engine does when it stops or fails."""
+
+  def submit(self, request, on_update):
+    request_id = super().submit(request, lambda update: None)
+    self.cancel(request_id)
+    on_update(engine_lib.Update([], "", None, finish_reason="abort"))
+    return request_id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_aborted_request_is_an_error_not_a_short_answer(tokenizer, stream):
+  engine = AbortingEngine(tokenizer)
+  engine.start()
+  try:
+    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL))) as url:
+      body = {"model": MODEL, "prompt": "The sun", "max_tokens": 4, "stream": stream}
+      status, out = post(url, "/v1/completions", body)
+      if stream:  # the stream's only event is the error
+        assert status == 200 and '"code": "engine_aborted"' in out.replace('":"', '": "') and "choices" not in out
+      else:
+        assert_error(status, out, 500, "the engine stopped or failed")
+  finally:
+    engine.stop()
