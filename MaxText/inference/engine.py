@@ -45,6 +45,7 @@ from MaxText.layers.linears import DTYPES
 MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
 MAX_STOP_IDS = 16  # stop token ids per request, EOS included
 MIN_BUCKET = 16
+MIN_READ_TOKENS = 64  # the fewest cache positions a generate call reads (see Engine._pages_read)
 
 
 class RequestError(ValueError):
@@ -430,7 +431,7 @@ class Engine:
       for first in (True, False) if later else (True,):
         args = (self.params, self.pool, self._table[:1], {**chunk, "tokens": tokens, "targets": tokens}, sampling)
         self._compiled("prefill", self._prefill, *args, first=first, echo=False)
-    widths = sorted({_power_of_two(n, self.pages_per_row) for n in range(1, self.pages_per_row + 1)})
+    widths = sorted({self._pages_read(n * self.page_size) for n in range(1, self.pages_per_row + 1)})
     for rows in sorted({self._rows_bucket(n) for n in range(1, self.num_slots + 1)}):
       slots = Slots(**{name: value[:rows] for name, value in self._host.items()})
       for pages in widths:
@@ -574,6 +575,12 @@ class Engine:
   def _pages_needed(self, tokens: int) -> int:
     return math.ceil(tokens / self.page_size)
 
+  def _pages_read(self, tokens: int) -> int:
+    """Pages a generate call reads to reach `tokens` positions: a power of two of them covering at least
+    MIN_READ_TOKENS (fewer shapes to compile; short caches are read whole), at most a row's."""
+    floor = self._pages_needed(MIN_READ_TOKENS)
+    return _power_of_two(max(self._pages_needed(tokens), floor), self.pages_per_row)
+
   def _reserved(self) -> int:
     """Pages the busy slots may still take (each up to its prompt and max_tokens)."""
     return sum(row.reserve - len(row.pages) for row in self._rows if row is not None)
@@ -697,7 +704,7 @@ class Engine:
     slots = Slots(**{name: value[rows] for name, value in host.items()})
     # Attention reads only the pages the longest row will reach in this call (a power of two of them).
     reach = max(int(host["lengths"][slot]) for slot in active) + self.steps
-    table = self._table[rows, : _power_of_two(self._pages_needed(reach), self.pages_per_row)]
+    table = self._table[rows, : self._pages_read(reach)]
     self.pool, slots, out, count = self._call(
       "generate", self._generate, self.params, self.pool, table, slots, np.bool_(refill), logprobs=logprobs
     )
