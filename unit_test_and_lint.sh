@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Format check, lint, then the unit tests (CPU, 8 simulated devices; see MaxText/tests/conftest.py).
 # Extra arguments go to pytest, e.g. `bash unit_test_and_lint.sh -k sharding`.
-#   bash unit_test_and_lint.sh                  # everything (CI), in four pytest processes in turn
+#   bash unit_test_and_lint.sh                  # everything (CI): the compute-only files on two workers, then the
+#                                               # rest in four pytest processes in turn
 #   bash unit_test_and_lint.sh -m "not slow"    # the edit-test loop, on two pytest-xdist workers
 # Only the quick loop runs on two workers (a test file per worker at a time): the slow tests start processes
 # that watch each other's heartbeats and time their steps, and want the cores to themselves.
@@ -22,11 +23,21 @@ done
 # The whole suite: four pytest processes in turn, each over a quarter of the test files. One process for all of them
 # grew with every compiled program and model it kept, until XLA aborted the process ~700 tests in (pipeline_test,
 # twice); each quarter alone passes.
-mapfile -t FILES < <(ls MaxText/tests/*_test.py | sort)
+# Files whose tests only compile and compute (no processes, no timing, nothing shared on disk) run first, on two
+# workers, a test at a time each: the engine's per-family matrix compiles three engines per case.
+COMPUTE=(MaxText/tests/engine_test.py)
+mapfile -t FILES < <(ls MaxText/tests/*_test.py | sort | grep -v -x -F "${COMPUTE[@]/#/-e}")
 PARTS=4
 SIZE=$(((${#FILES[@]} + PARTS - 1) / PARTS))
 STATUS=0
 RAN=0
+CODE=0
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=20 -n 2 --dist load "${COMPUTE[@]}" "$@" || CODE=$?
+case $CODE in
+  0) RAN=1 ;;
+  5) ;;
+  *) STATUS=$CODE ;;
+esac
 for ((i = 0; i < ${#FILES[@]}; i += SIZE)); do
   CODE=0
   "$PYTHON" -m pytest -q -p no:cacheprovider --durations=20 "${FILES[@]:i:SIZE}" "$@" || CODE=$?

@@ -82,7 +82,8 @@ def _alone(keys, params, requests):
 
 
 def _full_forward(model, params, requests):
-  return [_full_forward_greedy(model, params, r.prompt, r.max_tokens)[0] for r in requests]
+  width = max(len(r.prompt) + r.max_tokens for r in requests)  # one compile for them all
+  return [_full_forward_greedy(model, params, r.prompt, r.max_tokens, width)[0] for r in requests]
 
 
 def _assert_not_trivial(outputs):

@@ -41,21 +41,28 @@ def _generate(engine, prompts, cfg, **settings):
   return [r.tokens for r in engine.generate([engine_lib.Request(p, n, **settings) for p in prompts])]
 
 
-def _full_forward_greedy(model, params, prompt, n):
+_FORWARDS = {}  # (id of the model, width) -> (the model, its jitted forward), so calls of one width share a compile
+
+
+def _full_forward_greedy(model, params, prompt, n, width=None):
   """Greedy decoding by recomputing the whole forward pass at each step: (tokens, logits [prompt + n, vocab] of
   every position of the prompt and the generated tokens, the last one's excluded).
 
-  The sequence is right-padded to a fixed length (padding is causally after it) so one compile serves.
+  The sequence is right-padded to a fixed length, `width` (default prompt + n; padding is causally after it), so one
+  compile serves every step, and every call with the same model and width.
   """
   seq = list(prompt)
-  width = len(prompt) + n
-  forward = jax.jit(lambda t, s: model.apply({"params": params}, t, s, jnp.arange(width)[None]))
+  width = width or len(prompt) + n
+  known, forward = _FORWARDS.get((id(model), width), (None, None))
+  if known is not model:
+    forward = jax.jit(lambda p, t, s: model.apply({"params": p}, t, s, jnp.arange(width)[None]))
+    _FORWARDS[(id(model), width)] = (model, forward)
   for _ in range(n):
     tokens = np.zeros((1, width), np.int32)
     tokens[0, : len(seq)] = seq
-    logits = np.asarray(forward(tokens, (tokens * 0 + 1) * (np.arange(width) < len(seq))))[0]
+    logits = np.asarray(forward(params, tokens, (tokens * 0 + 1) * (np.arange(width) < len(seq))))[0]
     seq.append(int(np.argmax(logits[len(seq) - 1])))
-  return seq[len(prompt) :], logits[: width - 1]
+  return seq[len(prompt) :], logits[: len(prompt) + n - 1]
 
 
 def _log_softmax(logits):
