@@ -316,6 +316,16 @@ class Submission:
         self.done.add(index)
       yield index, update
 
+  async def collect(self, request: fastapi.Request, choices: list["Choice"]) -> None:
+    """Every update into its choice (a non-streamed answer); cancels what is left if the client goes, and raises
+    the 500 of an aborted request."""
+    try:
+      async for index, update in self.updates(request):
+        choices[index].take(update)
+    finally:
+      self.cancel_unfinished()
+    _check_not_aborted(choices)
+
   def cancel_unfinished(self) -> None:
     for index, request_id in self.ids.items():
       if index not in self.done:
@@ -560,12 +570,7 @@ async def completions(server: Server, request: fastapi.Request):
   view = CompletionView(server, body, choices, texts)
   if body.stream:
     return _streaming(view.events(submission), submission)
-  try:
-    async for index, update in submission.updates(request):
-      choices[index].take(update)
-  finally:
-    submission.cancel_unfinished()
-  _check_not_aborted(choices)
+  await submission.collect(request, choices)
   return view.response(prompts)
 
 
@@ -632,12 +637,7 @@ async def chat_completions(server: Server, request: fastapi.Request):
   view = ChatView(server, body, choices)
   if body.stream:
     return _streaming(view.events(submission), submission)
-  try:
-    async for index, update in submission.updates(request):
-      choices[index].take(update)
-  finally:
-    submission.cancel_unfinished()
-  _check_not_aborted(choices)
+  await submission.collect(request, choices)
   return view.response()
 
 
