@@ -233,7 +233,8 @@ def _to_list(key: str, value: Any, default: list, from_text: bool) -> tuple:
   del from_text
   if not isinstance(value, (list, tuple)):
     raise ConfigError(f"{key}={shown(value)} is not a list; give a YAML list such as {key}='{list(default)}'")
-  if all(isinstance(v, str) for v in default) and not all(isinstance(v, str) for v in value):
+  # A default of names wants names; an empty default (reward_functions, reward_weights) leaves the check to its owner.
+  if default and all(isinstance(v, str) for v in default) and not all(isinstance(v, str) for v in value):
     raise ConfigError(f"{key}={shown(value)} is not a list of names; give e.g. {key}='{list(default)}'")
   return freeze(value)
 
