@@ -88,6 +88,8 @@ class Update:
   logprobs: list[TokenLogprob] | None  # one per new token, when asked for
   prompt_logprobs: list[TokenLogprob | None] | None = None  # first update only, with echo (entry 0 is None)
   finish_reason: str | None = None  # last update only: "stop" (EOS, a stop id or string), "length", "abort"
+  stop_token: int | None = None  # last update only: the EOS or stop id that ended it, left out of tokens and text
+  stop_logprob: TokenLogprob | None = None  # with logprobs: stop_token's (RL trains on the stop token too)
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ class Result:
   logprobs: list[TokenLogprob] | None = None
   prompt_logprobs: list[TokenLogprob | None] | None = None
   finish_reason: str | None = None
+  stop_token: int | None = None
+  stop_logprob: TokenLogprob | None = None
 
   def add(self, update: Update) -> None:
     self.tokens += update.tokens
@@ -106,6 +110,8 @@ class Result:
     if update.prompt_logprobs is not None:
       self.prompt_logprobs = update.prompt_logprobs
     self.finish_reason = update.finish_reason or self.finish_reason
+    if update.stop_token is not None:
+      self.stop_token, self.stop_logprob = update.stop_token, update.stop_logprob
 
 
 @struct.dataclass
@@ -216,6 +222,7 @@ class Engine:
     detokenize: Callable[[list[int]], str] | None = None,
     max_queue: int = 64,
     steps_per_dispatch: int | None = None,
+    num_slots: int | None = None,
   ):
     check(config)
     cfg = self.config = config
@@ -223,7 +230,7 @@ class Engine:
     self.eos_id, self.pad_id, self.num_tokens = eos_id, pad_id, num_tokens
     self.detokenize = detokenize
     self.max_queue = max_queue
-    self.num_slots = cfg.micro_batch_size
+    self.num_slots = num_slots or cfg.micro_batch_size  # RL rollouts: every completion of a step at once
     self.steps = steps_per_dispatch or cfg.decode_steps_per_dispatch
     self.max_prompt_length = cfg.max_prefill_predict_length
     self.max_length = cfg.max_target_length
@@ -730,13 +737,17 @@ class Engine:
       stopped = tokens and tokens[-1] in self._host["stop_ids"][slot]
       finish = "stop" if stopped else "length"
       if stopped:
+        row.stop_token = tokens[-1]
+        if request.logprobs is not None and logprobs is not None:
+          lp, ids, lps = logprobs[-1]
+          row.stop_logprob = TokenLogprob(lp, _pairs(ids, lps, request.logprobs))
         tokens, logprobs = tokens[:-1], (logprobs[:-1] if logprobs is not None else None)
     row.tokens += tokens
     if request.logprobs is not None and logprobs is not None:
       row.pending_logprobs += [TokenLogprob(lp, _pairs(ids, lps, request.logprobs)) for lp, ids, lps in logprobs]
     text, cut = row.new_text(self.detokenize, final=finish is not None)
-    if cut:
-      finish = "stop"
+    if cut:  # a stop string ended it earlier than any stop token
+      finish, row.stop_token, row.stop_logprob = "stop", None, None
     if finish is not None:
       self._free(slot, finish, text)
     else:
@@ -782,6 +793,8 @@ class _Row:
   pending_logprobs: list = dataclasses.field(default_factory=list)
   prompt_logprobs: list | None = None
   first: bool = True
+  stop_token: int | None = None  # the EOS or stop id that ended it
+  stop_logprob: TokenLogprob | None = None
 
   def __post_init__(self):
     if self.request.echo:
@@ -826,6 +839,8 @@ class _Row:
     if self.request.logprobs is not None:
       logprobs, self.pending_logprobs = self.pending_logprobs, []
     update = Update(tokens, text, logprobs, self.prompt_logprobs if self.first else None, finish)
+    if finish is not None:
+      update.stop_token, update.stop_logprob = self.stop_token, self.stop_logprob
     self.first = False
     self.on_update(update)
 
