@@ -478,9 +478,11 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
     path = items_path("load_parameters_path", config.load_parameters_path)
     check_compatible(path, {"params": _start_params(config, layout, path)})
   trained_adapters = config.hf_lora_adapter_path or (config.load_parameters_path and _stores_adapters(path))
-  if config.use_dpo and config.lora_rank > 0 and trained_adapters:
+  compares = config.use_dpo or (config.use_rl and config.grpo_beta > 0)
+  if compares and config.lora_rank > 0 and trained_adapters:
+    what = "use_dpo=true" if config.use_dpo else f"use_rl=true with grpo_beta={config.grpo_beta}"
     raise ConfigError(
-      "use_dpo=true under LoRA compares with the base model (the adapters off), but this run starts from trained "
+      f"{what} under LoRA compares with the base model (the adapters off), but this run starts from trained "
       "adapters; merge them first (generate_param_only_checkpoint.py with their LoRA keys) and start from the merge"
     )
 

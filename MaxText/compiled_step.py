@@ -47,6 +47,7 @@ NOT_IN_STEP = frozenset({
   "server_host", "server_port", "server_api_key", "server_max_queue", "served_model_name",
   "pagedattn_tokens_per_page", "pagedattn_num_pages", "use_chunked_prefill", "prefill_chunk_size",
   "enable_prefix_caching", "decode_steps_per_dispatch",
+  "num_generations", "reward_functions", "reward_weights", "reward_format_regex",
   "prompt", "decode_prompts_file", "max_prefill_predict_length", "decode_sampling_strategy",
   "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "decode_sampling_seed",
   "autoregressive_decode_assert", "force_unroll", "inference_microbenchmark_prefill_lengths",

@@ -31,6 +31,7 @@ from MaxText.config_parse import PATH_KEYS
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
 from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models, moe
+from MaxText.rl import rewards
 
 # `hardware` -> the JAX platform it runs on (cli.configure_jax sets jax_platforms from it).
 HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
@@ -39,6 +40,8 @@ HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 def choices() -> dict[str, Collection[str]]:
   """Each key with a fixed set of values -> those values, read from the module that owns them (at call time, so
   a family registered after import counts)."""
+  from MaxText.rl import loss as rl_loss  # Here: it imports step.py, which imports this module through cli.
+
   return {
     "hardware": HARDWARE_PLATFORMS,
     "dtype": linears.DTYPES,
@@ -60,6 +63,8 @@ def choices() -> dict[str, Collection[str]]:
     "hf_lora_export": lora.HF_EXPORTS,
     "context_parallel_strategy": context_parallel.STRATEGIES,
     "routed_score_func": moe.SCORE_FUNCS,
+    "loss_algo": rl_loss.ALGOS,
+    "loss_agg_mode": rl_loss.AGG_MODES,
   }
 
 
@@ -74,6 +79,7 @@ def validate(values: Mapping) -> None:
   _check_schedule(values)
   _check_optimizer(values)
   _check_post_training(values)
+  _check_rl(values)
   _check_evaluation_and_checkpoints(values)
   _check_axis_rules(values)
   _check_attention(values)
@@ -269,6 +275,45 @@ def _check_post_training(values: Mapping) -> None:
     )
   if values["num_vocab_tiling"] > 1:
     raise ConfigError(f"num_vocab_tiling={values['num_vocab_tiling']}: DPO computes whole logits; set num_vocab_tiling=1")
+
+
+def _check_rl(values: Mapping) -> None:
+  """Reinforcement learning (use_rl): its data, the sampling that makes groups differ, and the loss's numbers."""
+  rewards.check(values)
+  if not values["use_rl"]:
+    return
+  for other in ("use_sft", "use_dpo"):
+    if values[other]:
+      raise ConfigError(f"use_rl=true and {other}=true: RL trains on its own rollouts of prompts; set one")
+  if values["dataset_type"] == "synthetic":
+    raise ConfigError("use_rl=true samples completions of prompts; set dataset_type to grain, tfds or hf")
+  if values["num_generations"] < 2:
+    raise ConfigError(
+      f"num_generations={values['num_generations']}: a group of one completion has no advantage (its reward less "
+      "its group's mean is 0); give at least 2"
+    )
+  if values["decode_sampling_strategy"] == "greedy" or values["decode_sampling_temperature"] == 0:
+    raise ConfigError(
+      f"decode_sampling_strategy={values['decode_sampling_strategy']}, decode_sampling_temperature="
+      f"{values['decode_sampling_temperature']}: greedy rollouts make a group's completions all the same; set "
+      "decode_sampling_strategy=weighted (or nucleus, topk) with a temperature > 0"
+    )
+  mu = values["num_iterations"]
+  if mu < 1:
+    raise ConfigError(f"num_iterations={mu} must be at least 1 (policy updates per batch of rollouts)")
+  for key in ("steps", "checkpoint_period"):
+    if values[key] % mu:
+      raise ConfigError(
+        f"{key}={values[key]} is not a multiple of num_iterations={mu}: a run stops and saves only between batches "
+        f"of rollouts; give a multiple of {mu}"
+      )
+  if values["grpo_beta"] < 0 or not 0 < values["grpo_epsilon"] < 1 or values["epsilon_high"] <= 0:
+    raise ConfigError(
+      f"grpo_beta={values['grpo_beta']} must be >= 0, grpo_epsilon={values['grpo_epsilon']} in (0, 1) and "
+      f"epsilon_high={values['epsilon_high']} > 0"
+    )
+  if values["num_vocab_tiling"] > 1:
+    raise ConfigError(f"num_vocab_tiling={values['num_vocab_tiling']}: RL computes whole logits; set num_vocab_tiling=1")
 
 
 def _check_evaluation_and_checkpoints(values: Mapping) -> None:

@@ -104,12 +104,13 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
   (llama.causal_pairs; L^2/2 pairs for a full causal mask). The output projection costs 2*E*V per token once.
   Training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not
   counted: these are model FLOPs, so MFU is comparable across remat policies. DPO (use_dpo) trains on two
-  sequences per row (chosen and rejected) and runs the reference model forward on both: 2 x (3 + 1) forwards.
+  sequences per row (chosen and rejected) and runs the reference model forward on both: 2 x (3 + 1) forwards; RL
+  with a KL penalty (grpo_beta > 0) runs the reference forward too: 3 + 1 (its rollouts are not counted).
   LoRA (lora_rank > 0) computes no gradient of the frozen weights: their matmuls count 2x the forward pass (the
   adapters' own, rank-thin, are left out).
   """
   tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
-  tokens *= 2 * 4 / 3 if config.use_dpo else 1
+  tokens *= 2 * 4 / 3 if config.use_dpo else 4 / 3 if config.use_rl and config.grpo_beta > 0 else 1
   length = config.max_target_length
   per_token, per_sequence = 2 * config.emb_dim * config.vocab_size, 0.0  # weight FLOPs per token, attention's
   for stack in decoders.layer_stacks(config):

@@ -24,15 +24,21 @@ class TrainState:
   step: jax.Array  # number of completed optimizer steps
   params: dict
   opt_state: optax.OptState
-  # use_dpo: the frozen parameters the run started from (DPO's reference model), saved with the state so a resumed
-  # run compares against the same model. None otherwise.
+  # use_dpo, or use_rl with grpo_beta > 0: the frozen parameters the run started from (the reference model), saved
+  # with the state so a resumed run compares against the same model. None otherwise (and under LoRA).
   reference_params: dict | None = None
 
 
 def _reference(config: Config, params):
-  """The reference model's parameters for a state around `params`: a copy with use_dpo (never the same buffers,
-  which the train step donates), else None. Under LoRA, DPO's reference is the base itself (adapters off)."""
-  return jax.tree_util.tree_map(lambda x: x.copy(), params) if config.use_dpo and config.lora_rank == 0 else None
+  """The reference model's parameters for a state around `params`: a copy (never the same buffers, which the train
+  step donates) where needs_reference_copy says, else None."""
+  return jax.tree_util.tree_map(lambda x: x.copy(), params) if needs_reference_copy(config) else None
+
+
+def needs_reference_copy(config: Config) -> bool:
+  """DPO, and RL with a KL penalty (grpo_beta > 0), compare against the starting model: a copy of its parameters,
+  except under LoRA, where the base (the adapters off) is that model."""
+  return (config.use_dpo or (config.use_rl and config.grpo_beta > 0)) and config.lora_rank == 0
 
 
 def trainable(config: Config, params):
@@ -146,8 +152,8 @@ def init_adapters(model, config: Config, layout: StateLayout) -> dict:
 
 
 def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainState:
-  """A train state at step 0 around given params: a fresh optimizer state (and with use_dpo, the params again as
-  the reference model)."""
+  """A train state at step 0 around given params: a fresh optimizer state (and with a reference model, the params
+  again as it)."""
   fresh = jax.jit(
     lambda p: TrainState(
       step=jax.numpy.zeros((), jax.numpy.int32),

@@ -19,6 +19,7 @@ from MaxText import cli, compiled_step, input_pipeline, lora, optimizers, shardi
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models
+from MaxText.rl import loss as rl_loss
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -83,6 +84,54 @@ def dpo_loss_fn(model, params, reference_params, batch, dropout_rng, determinist
   loss, aux = dpo_loss_from_logits(config, logits, jax.lax.stop_gradient(reference_logits), both)
   if config.num_experts > 1:
     aux.update(_moe_aux(config, sown, aux["tokens"]))
+    loss += aux["moe_lb_loss"]
+  return loss, aux
+
+
+def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's two)
+  model, params, reference_params, batch, dropout_rng, deterministic=False, *, on_policy, num_tokens=None
+):
+  """GRPO or GSPO (rl/loss.py) on a batch of rollouts (rl/rollouts.py): the clipped importance ratio of the policy to
+  the sampler, times each completion's advantage, plus grpo_beta times the KL to the reference model (k3).
+
+  on_policy: the batch's first update (state.step % num_iterations == 0), where the policy is the sampler: the old
+  log-probabilities are the policy's own under stop_gradient, so the ratio is exactly 1; later updates use the
+  sampler's (batch["old_logprobs"]). The reference model is `reference_params` (under LoRA, None: the base, adapters
+  off), without dropout; with grpo_beta = 0 it is never run. num_tokens: the tokenizer's vocabulary, the ids the
+  sampler draws from (the model's padded ids beyond it are left out of every softmax, as the engine leaves them).
+  Returns (the loss's sum, aux) with aux["tokens"] its denominator (loss_agg_mode's) and rl/loss.py's sums.
+  """
+  config = model.config
+  args = (batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+  logits, sown = model.apply(
+    {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
+  )
+  mask = batch["targets_segmentation"] != 0
+  logps = rl_loss.token_logps(logits, batch["targets"], num_tokens)
+  old = jnp.where(on_policy, jax.lax.stop_gradient(logps), batch["old_logprobs"])
+  reference = None
+  if config.grpo_beta > 0:
+    if reference_params is None:  # LoRA: the base model, the adapters off
+      reference_params = lora.adapters_off(params)
+    reference_logits, _ = model.apply(
+      {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
+    )
+    reference = jax.lax.stop_gradient(rl_loss.token_logps(reference_logits, batch["targets"], num_tokens))
+  loss, weight, sums = rl_loss.policy_loss(
+    logps,
+    old,
+    reference,
+    batch["advantages"][:, 0],
+    mask,
+    algo=config.loss_algo,
+    agg=config.loss_agg_mode,
+    epsilon=config.grpo_epsilon,
+    epsilon_high=config.epsilon_high,
+    beta=config.grpo_beta,
+  )
+  aux = {"tokens": weight, **sums, "rl_entropy": rl_loss.entropy_sum(logits, mask, num_tokens)}
+  if config.num_experts > 1:
+    aux.update(_moe_aux(config, sown, weight))
     loss += aux["moe_lb_loss"]
   return loss, aux
 
@@ -220,15 +269,21 @@ def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL)
 
 
 # ---------------------------------------------------------------------------------------------- the step
-def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState, batch):
+def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState, batch, num_tokens=None):  # noqa: PLR0913
   """One optimizer step over the global batch, split into gradient_accumulation_steps micro-batches.
 
   Gradients of the summed loss are added over micro-batches and divided once by the total number of
-  target tokens, so k micro-batches of b rows give the same update as one batch of k*b rows.
+  target tokens (DPO: pairs; RL: loss_agg_mode's denominator), so k micro-batches of b rows give the same update as
+  one batch of k*b rows. num_tokens: RL's vocabulary (rl_loss_fn).
   """
   dropout_rng = jax.random.fold_in(jax.random.key(config.init_weights_seed), state.step)
   if config.use_dpo:
     loss = functools.partial(dpo_loss_fn, model, reference_params=state.reference_params)
+  elif config.use_rl:
+    on_policy = state.step % config.num_iterations == 0
+    loss = functools.partial(
+      rl_loss_fn, model, reference_params=state.reference_params, on_policy=on_policy, num_tokens=num_tokens
+    )
   else:
     loss = functools.partial(loss_fn, model)
   # Gradients of the trainable parameters only: under LoRA the adapters, the frozen base a constant.
@@ -282,11 +337,23 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   for name in DPO_METRICS:
     if name in aux:  # per pair
       step_metrics[f"learning/{name}"] = aux[name] / denominator
+  for name, (total, per) in RL_METRICS.items():
+    if total in aux:
+      step_metrics[f"learning/{name}"] = aux[total] / jnp.maximum(aux[per], 1)
   return new_state, step_metrics
 
 
 # DPO's sums in aux that train and eval metrics report per pair.
 DPO_METRICS = ("dpo_rewards_chosen", "dpo_rewards_rejected", "dpo_reward_margin", "dpo_reward_accuracy")
+# RL's metrics, each a sum in aux (rl/loss.py, rl_loss_fn) per completion token: the KL to the reference (k3), the
+# share of tokens whose ratio the clip holds, the mean importance ratio, the policy's entropy, the policy term alone.
+RL_METRICS = {
+  "rl_kl": ("rl_kl", "rl_tokens"),
+  "rl_clip_fraction": ("rl_clipped", "rl_tokens"),
+  "rl_importance_ratio": ("rl_ratio", "rl_tokens"),
+  "rl_entropy": ("rl_entropy", "rl_tokens"),
+  "rl_policy_loss": ("rl_pg", "rl_tokens"),
+}
 
 
 def eval_step(model, params, reference_params, batch):
@@ -335,25 +402,30 @@ class JittedStep:
 
   fn: Callable  # jax.jit of (state, batch) -> (state, metrics), the state donated
   abstract_state: state_lib.TrainState  # ShapeDtypeStructs with shardings
-  abstract_batch: dict[str, jax.ShapeDtypeStruct]  # BATCH_KEYS -> [global_batch_size, max_target_length] int32
+  abstract_batch: dict[str, jax.ShapeDtypeStruct]  # batch_keys -> [global_batch_size, max_target_length] (RL_KEYS float32)
 
   def lower(self) -> jax.stages.Lowered:
     return self.fn.lower(self.abstract_state, self.abstract_batch)
 
 
-def jit_train_step(config: Config, mesh, *, model, schedule, tx, layout: state_lib.StateLayout) -> JittedStep:
-  """train_step with the state's and the batch's shardings on `mesh`, the state donated."""
+def jit_train_step(  # noqa: PLR0913 (keyword-only, each named at the call)
+  config: Config, mesh, *, model, schedule, tx, layout: state_lib.StateLayout, num_tokens: int | None = None
+) -> JittedStep:
+  """train_step with the state's and the batch's shardings on `mesh`, the state donated. num_tokens: RL's
+  vocabulary, the tokenizer's (train_step)."""
   batch_sharding = sharding.batch_sharding(mesh, config)
   step_fn = jax.jit(
-    lambda s, b: train_step(model, config, tx, schedule, s, b),
+    lambda s, b: train_step(model, config, tx, schedule, s, b, num_tokens),
     in_shardings=(layout.shardings, batch_sharding),
     out_shardings=(layout.shardings, sharding.logical_sharding((), mesh, config)),
     donate_argnums=(0,),
   )
-  batch_shape = jax.ShapeDtypeStruct(
-    (config.global_batch_size, config.max_target_length), jnp.int32, sharding=batch_sharding
-  )
-  return JittedStep(step_fn, layout.abstract, dict.fromkeys(input_pipeline.batch_keys(config), batch_shape))
+  shape = (config.global_batch_size, config.max_target_length)
+  batch = {
+    key: jax.ShapeDtypeStruct(shape, jnp.float32 if key in input_pipeline.RL_KEYS else jnp.int32, sharding=batch_sharding)
+    for key in input_pipeline.batch_keys(config)
+  }
+  return JittedStep(step_fn, layout.abstract, batch)
 
 
 def jit_eval_step(config: Config, mesh, model, layout: state_lib.StateLayout) -> Callable:

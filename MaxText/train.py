@@ -27,7 +27,9 @@ from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, 
 from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import Config, TrainingError
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import pipeline
+from MaxText.rl import rollouts
 
 
 @dataclasses.dataclass
@@ -38,6 +40,7 @@ class TrainSummary:
   steps_run: int = 0
   losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, loss) of each logged step
   last_eval: dict[str, float] | None = None  # the last evaluation's scalars
+  first_eval: dict[str, float] | None = None  # RL: the evaluation before the first step (a run from step 0)
   time_to_first_step: float | None = None  # seconds from the run's start (train() or main() called) to the first step's end
   median_step_time: float = math.nan  # seconds, over the steps after the first
   total_tokens: int = 0  # tokens of the steps run (global batch x max_target_length each)
@@ -65,6 +68,11 @@ class Cadence:
     period = self.config.checkpoint_period
     return self.checkpointing and (completed % period == 0 or completed == self.config.steps or preempted)
 
+  def between_rollouts(self, completed: int) -> bool:
+    """Whether `completed` steps end a batch of rollouts (RL's num_iterations updates; always without RL): only then
+    can a run stop and resume, since a batch's rollouts are made from the parameters at its first step."""
+    return completed % self.config.num_iterations == 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -78,7 +86,7 @@ class Run:
   state: state_lib.TrainState
   first_step: int
   started: float  # time.time() when the run started: goodput's start-up and the time to first step count from it
-  data: Iterator | None = None  # the training iterator; None when there is nothing left to do
+  data: Iterator | None = None  # the training iterator (RL: rollouts.Rollouts); None when there is nothing left to do
   resumed: bool = False  # from the run's own checkpoint
 
   @property
@@ -96,6 +104,8 @@ def train(config: Config, devices=None, started: float | None = None) -> TrainSu
   compiled_step.check_fits("the train state (params and optimizer)", state_bytes, config, parts.mesh, step=False)
   checkpointing.check_start_paths(config, parts.layout)  # Before anything is written.
   input_pipeline.check(config)
+  if config.use_rl:
+    rollouts.check(config)
   checkpointing.check_shared_run_dir(config)
 
   manager = checkpointing.create_manager(config)
@@ -116,14 +126,19 @@ def _prepare(config: Config, manager, parts: step_lib.Parts, started: float) -> 
   the state is restored or initialised, then positions the data for the first step. Nothing is written before
   the compiled step is known to fit in memory."""
   mesh, model, schedule, tx, layout = parts
-  jitted = step_lib.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
+  tokenizer = tokenizer_lib.check_tokenizer(config) if config.use_rl else None
+  num_tokens = tokenizer.vocab_size if tokenizer is not None else None
+  jitted = step_lib.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout, num_tokens=num_tokens)
   compiled, start = step_lib.compile_while(
     config, mesh, jitted, lambda: checkpointing.restore_or_init(config, manager, model, tx, layout)
   )
   first_step = int(jax.device_get(start.state.step))
   data = None
   if first_step < config.steps:
-    data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
+    if config.use_rl:
+      data = rollouts.Rollouts(config, mesh, start.state.params, tokenizer)
+    else:
+      data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
     if start.resumed and config.dataset_type != "synthetic":
       checkpointing.restore_data(config, manager, first_step, data)
   for damaged in start.skipped:
@@ -196,9 +211,14 @@ def _loop(run: Run) -> TrainSummary:
   stop = cli.StopRequest()
   failed = True
   try:
+    if config.use_rl and run.first_step == 0 and config.eval_interval > 0:
+      with goodput.waiting("evaluation"):
+        summary.first_eval = _evaluate_and_log(run, state, -1, writer)
+      clock.pause_until_now()
     for step in range(run.first_step, config.steps):
       profiler.before_step(step)
-      if batch is None or config.reuse_example_batch <= 0:  # reuse_example_batch: benchmark on one batch.
+      # reuse_example_batch: benchmark on one batch; RL: num_iterations updates on each batch of rollouts.
+      if batch is None or (config.reuse_example_batch <= 0 and cadence.between_rollouts(step)):
         with goodput.waiting("data"):
           batch = _next_batch(run, stop, state, completed)
       state, step_metrics = run.step(state, batch)
@@ -207,11 +227,13 @@ def _loop(run: Run) -> TrainSummary:
         manager.check_for_errors()  # A background save that failed (a full disk) stops the run now.
       profiler.after_step(completed, state)
       signal_name = "SIGTERM" if checkpointing.reached_preemption(manager, completed) else stop.signal_name
-      preempted = signal_name is not None
+      preempted = signal_name is not None and cadence.between_rollouts(completed)
       save, evaluate = cadence.save(completed, preempted), cadence.evaluate(completed)
       if not (save or evaluate or preempted or cadence.log(completed)):
         continue
       scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()} | clock.lap(completed)
+      if config.use_rl:
+        scalars |= run.data.metrics(scalars["perf/step_time_seconds"])
       _log(run, step, scalars, summary, writer)
       if evaluate:
         with goodput.waiting("evaluation"):
@@ -240,7 +262,12 @@ def _next_batch(run: Run, stop: cli.StopRequest, state: state_lib.TrainState, co
   position = run.data.get_state() if saves and run.config.dataset_type != "synthetic" else None
   try:
     with stop.interrupting():
-      return next(run.data)
+      if not run.config.use_rl:
+        return next(run.data)
+      batch = run.data.batch(state.params, completed)
+      if batch is None:
+        raise StopIteration
+      return batch
   except cli.StopRequest.Interrupted:
     what = "preempted" if stop.signal_name == "SIGTERM" else "interrupted"
     why, fix = f"{what} ({stop.signal_name}) while waiting for the data of step {completed}", "run the same command again"
@@ -281,6 +308,15 @@ def _check_finite(scalars: dict, step: int, config: Config, manager) -> None:
 
 
 def _evaluate_and_log(run: Run, state: state_lib.TrainState, step: int, writer: metrics.MetricWriter) -> dict:
+  """Evaluates, logs a line and writes the scalars; RL: `step` -1 is before training (logged, not written)."""
+  if run.config.use_rl:
+    scalars = run.data.evaluate(state.params)
+    when = "before training" if step < 0 else f"after step {step}"
+    each = ", ".join(f"{k.removeprefix('eval/reward_')} {v:.4f}" for k, v in scalars.items() if k.startswith("eval/reward_"))
+    cli.log(f"eval {when}: reward {scalars['eval/reward']:.4f} ({each}) over {scalars['eval/total_weights']} prompts")
+    if step >= 0:
+      writer.write(step, scalars)
+    return scalars
   scalars = evaluate(run.config, run.mesh, run.eval_fn, state, step=step)
   if run.config.use_dpo:
     cli.log(

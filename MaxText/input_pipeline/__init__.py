@@ -29,12 +29,15 @@ from MaxText.input_pipeline import tokenizer
 from MaxText.input_pipeline.synthetic import SyntheticIterator
 
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
+RL_KEYS = ("advantages", "old_logprobs")  # use_rl's float32 entries (rl/rollouts.py builds the batches)
 
 
 def batch_keys(config: Config) -> tuple[str, ...]:
   """The keys of a batch: BATCH_KEYS, or with use_dpo each of them for the chosen and the rejected responses."""
   if config.use_dpo:
     return tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in BATCH_KEYS)
+  if config.use_rl:
+    return (*BATCH_KEYS, *RL_KEYS)
   return BATCH_KEYS
 
 
@@ -92,7 +95,7 @@ def _hf_source(config: Config, train: bool):
   path = os.path.expanduser(config.hf_path)
   if os.path.exists(path) and not os.path.isdir(path):
     storage.check_file("hf_path", path, "give a builder name (json, parquet, ...) or a saved dataset folder")
-  where = _where(config, train)
+  where = describe(config, train)
   if config.hf_path == "json":  # datasets reads a file of JSON arrays or scalars as rows of a made-up "text" column
     for f in files or []:
       if not _starts_like_records(f):
@@ -212,11 +215,12 @@ TEXT_SOURCES = {"grain": _grain_source, "tfds": _tfds_source, "hf": _hf_source}
 DATASET_TYPES = ("synthetic", *TEXT_SOURCES)
 
 
-def _source(config: Config, split: str):
+def records(config: Config, split: str):
+  """The random-access records of a split ("train" or "eval") of a text source."""
   return TEXT_SOURCES[config.dataset_type](config, split == "train")
 
 
-def _where(config: Config, train: bool) -> str:
+def describe(config: Config, train: bool) -> str:
   """The split's data as the config names it, for errors: "hf_train_files=chats/*.jsonl"."""
   if config.dataset_type == "tfds":
     return f"dataset_name={config.dataset_name if train else (config.eval_dataset_name or config.dataset_name)}"
@@ -275,8 +279,8 @@ def _check_split(config: Config, split: str) -> None:
   without a batch, so it is refused here, having been read once (one pass, as the run would have)."""
   from MaxText.input_pipeline import text_pipeline
 
-  source = _source(config, split)
-  where = _where(config, split == "train")
+  source = records(config, split)
+  where = describe(config, split == "train")
   fine_tuning = config.use_sft or config.use_dpo
   if fine_tuning:
     transform = _conversation(config, split)
@@ -319,6 +323,13 @@ def check(config: Config) -> None:
   if config.dataset_type == "synthetic":
     return
   tokenizer.check_tokenizer(config)
+  if config.use_rl:  # prompts, not documents or conversations
+    from MaxText.rl import rollouts
+
+    rollouts.check_prompts(config, "train")
+    if config.eval_interval > 0:
+      rollouts.check_prompts(config, "eval")
+    return
   _check_split(config, "train")
   if config.eval_interval > 0:
     _check_split(config, "eval")
@@ -353,7 +364,7 @@ def _text_iterator(config: Config, mesh, split: str):
   train = split == "train"
   batch = config.global_batch_size if train else config.eval_batch_size
   rows = sharding.local_rows(sharding.batch_sharding(mesh, config), (batch, config.max_target_length))
-  source = _source(config, split)
+  source = records(config, split)
   if config.use_sft or config.use_dpo:
     tokenize, text_key = _conversation(config, split), None
   else:
@@ -373,6 +384,6 @@ def _text_iterator(config: Config, mesh, split: str):
     worker_count=config.grain_worker_count,
     packing=config.packing,
     examples="preferences" if config.use_dpo else "conversations" if config.use_sft else "documents",
-    where=_where(config, train),
+    where=describe(config, train),
   )
   return text_pipeline.TextIterator(config, mesh, dataset, batch_size=batch)

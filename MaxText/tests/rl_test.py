@@ -1,0 +1,354 @@
+"""RL through the train step and train.py (use_rl): rollouts, the step's loss, resume, refusals.
+
+The loss's formulas are checked against float64 NumPy in rl_loss_test.py and the rewards in rl_rewards_test.py; here
+the pieces meet. References: the trainer's own forward pass for the sampler's log-probabilities (a different code
+path: the engine's paged cache and decode-mode attention), a hand-made rollout for the batch's layout, NumPy for the
+ratio of a later iteration, one device for the sharded loss and gradients, one batch for gradient accumulation, and
+an uninterrupted run for a run killed with kill -9.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from MaxText import sharding, state
+from MaxText import step as step_lib
+from MaxText.common_types import ConfigError
+from MaxText.inference import engine as engine_lib
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.layers import models
+from MaxText.rl import loss as rl_loss
+from MaxText.rl import rollouts as rollouts_lib
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, metrics_losses, run
+from MaxText.tests.helpers import overrides as overrides_of
+
+RL_YML = os.path.join(os.path.dirname(BASE_YML), "rl.yml")
+
+
+def shorter(prompts, completions, **columns):
+  """A reward for the tests: shorter completions score higher (a signal even for a random model)."""
+  del prompts, columns
+  return [1.0 / (1 + len(c)) for c in completions]
+
+
+def raises(prompts, completions, **columns):
+  raise KeyError("no such thing")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  """A byte-level BPE tokenizer.json of sums ("3+4=7"), EOS <|im_end|>, and train/eval json lines {prompt, answer}."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  root = tmp_path_factory.mktemp("rl")
+  hf = tokenizers.Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  hf.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300,
+    special_tokens=["<|endoftext|>", "<|im_end|>", "<s>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  hf.train_from_iterator([" ".join(f"{a}+{b}={a + b}" for a in range(20) for b in range(20))] * 3, trainer)
+  os.makedirs(root / "hf")
+  hf.save(str(root / "hf/tokenizer.json"))
+  settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>"}
+  (root / "hf/tokenizer_config.json").write_text(json.dumps({**settings, "pad_token": "<|endoftext|>"}))
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 48), ("eval", 6)):
+    with open(root / f"{split}.jsonl", "w", encoding="utf-8") as f:
+      for a, b in rng.integers(0, 10, (n, 2)):
+        f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+  return root
+
+
+def _rl_keys(data, *extra):
+  return (
+    f"tokenizer_path={data}/hf/tokenizer.json", "tokenizer_type=huggingface", "vocab_size=512",
+    "override_model_config=true", "hf_path=json", f"hf_train_files={data}/train.jsonl",
+    f"hf_eval_files={data}/eval.jsonl", "use_chat_template=false", "max_prefill_predict_length=8",
+    "max_target_length=16", "num_generations=4", "per_device_batch_size=8",
+    "reward_functions=['MaxText.tests.rl_test:shorter']", "learning_rate=1e-2", "warmup_steps_fraction=0", *extra,
+  )  # fmt: skip
+
+
+def _config(data, *extra, num_devices=1):
+  from MaxText import pyconfig
+
+  return pyconfig.load([RL_YML, *overrides_of(*_rl_keys(data, *extra))], num_devices=num_devices, env={})
+
+
+def _start(cfg, devices=1):
+  """(mesh, model, params placed by the config's layout, tokenizer) of a fresh tiny model."""
+  mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
+  model = models.Transformer(cfg, mesh)
+  _, shardings = state.params_layout(model, cfg, mesh)
+  boxed = model.init({"params": jax.random.key(0)}, *models.init_inputs(1, cfg.max_target_length))
+  params = jax.device_put(nn.meta.unbox(boxed)["params"], shardings)
+  return mesh, model, params, tokenizer_lib.check_tokenizer(cfg)
+
+
+def _logps(model, params, batch, num_tokens):
+  logits = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+  return np.asarray(rl_loss.token_logps(logits, batch["targets"], num_tokens))
+
+
+def test_the_sampler_s_logprobs_equal_the_trainer_s_forward(data):
+  """The engine's log-probability of each completion token it sampled (paged cache, decode mode) equals the train
+  step's forward pass over prompt + completion (float32, 1e-5); the batch holds each prompt's num_generations
+  completions, different from each other, in rows of one group."""
+  cfg = _config(data)
+  mesh, model, params, tokenizer = _start(cfg)
+  rollouts = rollouts_lib.Rollouts(cfg, mesh, params, tokenizer)
+  batch = jax.device_get(rollouts.batch(params, step=0))
+  mask = batch["targets_segmentation"] == 1
+  assert mask.sum(axis=1).min() >= 1
+  got = _logps(model, params, batch, tokenizer.vocab_size)
+  np.testing.assert_allclose(batch["old_logprobs"][mask], got[mask], atol=1e-5, rtol=0)
+  assert np.all(batch["old_logprobs"][~mask] == 0)
+  groups = batch["inputs"].reshape(-1, cfg.num_generations, cfg.max_target_length)
+  assert all(len({row.tobytes() for row in group}) > 1 for group in groups)  # sampled, not greedy
+  prompts = batch["inputs"][:, :3].reshape(-1, cfg.num_generations, 3)
+  assert np.all(prompts == prompts[:, :1])  # a group shares its prompt
+  advantages = batch["advantages"][:, 0].reshape(-1, cfg.num_generations)
+  np.testing.assert_allclose(advantages.sum(axis=1), 0, atol=1e-5)  # group-normalised
+  assert np.all(batch["advantages"] == batch["advantages"][:, :1])
+
+
+def test_the_batch_lays_out_prompt_completion_and_stop_token():
+  """A hand-made rollout: row = prompt + completion + the stop token, targets shifted by one, the loss mask and the
+  old log-probabilities on the completion's targets (the stop token's included), the advantage on every column."""
+  rollouts = rollouts_lib.Rollouts.__new__(rollouts_lib.Rollouts)
+  rollouts.config = type("C", (), {"global_batch_size": 2, "max_target_length": 8})()
+  rollouts.generations = 2
+  rollouts.batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  lp = engine_lib.TokenLogprob
+  stopped = engine_lib.Result([7, 8], "ab", [lp(-0.5, []), lp(-0.25, [])], stop_token=2, stop_logprob=lp(-0.125, []))
+  cut = engine_lib.Result([9, 9, 9], "ccc", [lp(-1.0, [])] * 3, finish_reason="length")
+  rollout = rollouts_lib.Rollout([{"tokens": np.asarray([1, 5, 6])}], [stopped, cut], np.zeros((2, 1)), 1.0)
+  batch = jax.device_get(rollouts._arrays(rollout, np.asarray([0.5, -0.5], np.float32)))
+  np.testing.assert_array_equal(batch["inputs"], [[1, 5, 6, 7, 8, 2, 0, 0], [1, 5, 6, 9, 9, 9, 0, 0]])
+  np.testing.assert_array_equal(batch["targets"], [[5, 6, 7, 8, 2, 0, 0, 0], [5, 6, 9, 9, 9, 0, 0, 0]])
+  np.testing.assert_array_equal(batch["inputs_segmentation"], [[1] * 6 + [0] * 2] * 2)
+  np.testing.assert_array_equal(batch["inputs_position"][0], [0, 1, 2, 3, 4, 5, 0, 0])
+  np.testing.assert_array_equal(batch["targets_segmentation"], [[0, 0, 1, 1, 1, 0, 0, 0]] * 2)
+  np.testing.assert_array_equal(batch["old_logprobs"][0], [0, 0, -0.5, -0.25, -0.125, 0, 0, 0])
+  np.testing.assert_array_equal(batch["advantages"], [[0.5] * 8, [-0.5] * 8])
+
+
+def _two_updates(cfg, devices=1):
+  """Two train steps on one batch of rollouts (num_iterations=2): (batch, metrics of each, model, params after the
+  first, tokenizer)."""
+  mesh, model, params, tokenizer = _start(cfg, devices)
+  parts = step_lib.build(cfg, jax.devices()[:devices])
+  layout = parts.layout
+  train_state = state.state_from_params(params, parts.tx, layout, cfg)
+  rollouts = rollouts_lib.Rollouts(cfg, mesh, train_state.params, tokenizer)
+  batch = rollouts.batch(train_state.params, step=0)
+  jitted = step_lib.jit_train_step(
+    cfg, mesh, model=parts.model, schedule=parts.schedule, tx=parts.tx, layout=layout, num_tokens=tokenizer.vocab_size
+  )
+  first_state, first = jitted.fn(train_state, batch)
+  after_first = jax.device_get(first_state.params)
+  _, second = jitted.fn(first_state, batch)
+  return jax.device_get(batch), jax.device_get(first), jax.device_get(second), model, after_first, tokenizer
+
+
+def test_the_first_update_is_on_policy_and_the_second_uses_the_sampler_s_logprobs(data):
+  """num_iterations=2: the first update's ratio is exactly 1 and nothing is clipped; the second's mean ratio is the
+  policy after one update against the sampler's log-probabilities, exp(logp - old) over completion tokens, in NumPy."""
+  cfg = _config(data, "num_iterations=2", "steps=2", "checkpoint_period=2", "grpo_epsilon=0.001", "epsilon_high=0.001")
+  batch, first, second, model, after_first, tokenizer = _two_updates(cfg)
+  assert first["learning/rl_importance_ratio"] == 1.0 and first["learning/rl_clip_fraction"] == 0.0
+  mask = batch["targets_segmentation"] == 1
+  logps = _logps(model, after_first, batch, tokenizer.vocab_size)
+  ratio = np.exp(logps.astype(np.float64) - batch["old_logprobs"])[mask].mean()
+  assert abs(ratio - 1) > 1e-4  # the policy moved
+  np.testing.assert_allclose(second["learning/rl_importance_ratio"], ratio, rtol=2e-5)
+  assert second["learning/rl_clip_fraction"] > 0  # a clip range of 0.001 holds some
+
+
+def test_a_sharded_rl_loss_and_its_gradients_equal_one_device(data):
+  """rl_loss_fn (GSPO, token-mean, with the KL and ratios off 1) on 8 devices, fsdp 4 x tensor 2, equals one device:
+  the loss within 1e-5 (relative), each gradient within 1e-4 of its tensor's largest entry."""
+  keys = ("loss_algo=gspo-token", "loss_agg_mode=token-mean")
+  one = _config(data, *keys)
+  mesh1, model1, params, tokenizer = _start(one)
+  batch = jax.device_get(rollouts_lib.Rollouts(one, mesh1, params, tokenizer).batch(params, step=0))
+  batch["old_logprobs"] = batch["old_logprobs"] - 0.05 * (batch["targets_segmentation"] == 1)  # ratios off 1
+  batch["advantages"] = batch["advantages"] + 0.5  # not summing to 0 over a group: a loss far from 0
+  params = jax.device_get(params)
+  results = []
+  eight = _config(data, *keys, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
+  for cfg, devices in ((one, 1), (eight, 8)):
+    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
+    model = models.Transformer(cfg, mesh)
+    placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    loss = _mean_loss(model, tokenizer.vocab_size)
+    results.append(jax.device_get(jax.jit(jax.value_and_grad(loss))(placed, batch)))
+  (loss1, grads1), (loss8, grads8) = results
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  for (path, g8), g1 in zip(jax.tree_util.tree_leaves_with_path(grads8), jax.tree_util.tree_leaves(grads1), strict=True):
+    scale = float(np.abs(g1).max()) + 1e-6
+    np.testing.assert_allclose(g8, g1, atol=1e-4 * scale, rtol=0, err_msg=jax.tree_util.keystr(path))
+
+
+def _mean_loss(model, num_tokens):
+  """(params, batch) -> rl_loss_fn's loss over its denominator, off-policy, the params their own reference."""
+
+  def loss(params, batch):
+    total, aux = step_lib.rl_loss_fn(
+      model, params, params, batch, jax.random.key(0), True, on_policy=False, num_tokens=num_tokens
+    )
+    return total / aux["tokens"]
+
+  return loss
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "sequence-mean", "sequence-mean-token-mean"])
+def test_gradient_accumulation_equals_one_batch(data, agg):
+  """Two micro-batches of a batch of rollouts give the update and metrics of the whole batch at once, for each
+  aggregation (their denominators add up over micro-batches)."""
+  outs = []
+  for k in (1, 2):
+    # per_device_batch_size is a micro-batch's: 8 rows either way.
+    keys = (f"gradient_accumulation_steps={k}", f"per_device_batch_size={8 // k}", f"loss_agg_mode={agg}")
+    cfg = _config(data, *keys, "opt_type=sgd")
+    mesh, model, params, tokenizer = _start(cfg)
+    parts = step_lib.build(cfg, jax.devices()[:1])
+    train_state = state.state_from_params(params, parts.tx, parts.layout, cfg)
+    batch = rollouts_lib.Rollouts(cfg, mesh, train_state.params, tokenizer).batch(train_state.params, step=0)
+    jitted = step_lib.jit_train_step(
+      cfg,
+      mesh,
+      model=parts.model,
+      schedule=parts.schedule,
+      tx=parts.tx,
+      layout=parts.layout,
+      num_tokens=tokenizer.vocab_size,
+    )
+    new_state, metrics = jitted.fn(train_state, batch)
+    outs.append(jax.device_get((new_state.params, metrics)))
+  (p1, m1), (p2, m2) = outs
+  for key in ("learning/loss", "learning/rl_kl", "learning/rl_entropy", "learning/total_weights", "learning/grad_norm"):
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p2), jax.tree_util.tree_leaves(p1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_lora_rl_keeps_no_reference_copy(data):
+  """Under LoRA the reference model is the base with the adapters off: the state holds no copy of the weights
+  (nor without a KL penalty), where full fine-tuning with grpo_beta > 0 holds one. LoRA's KL starts at exactly 0
+  (fresh adapters change nothing) and grows once the adapters train."""
+  for keys, copy in ((("lora_rank=4",), False), (("grpo_beta=0",), False), ((), True)):
+    cfg = _config(data, *keys)
+    layout = step_lib.build(cfg, jax.devices()[:1]).layout
+    assert (layout.abstract.reference_params is not None) == copy, keys
+  cfg = _config(data, "lora_rank=4", "num_iterations=2", "steps=2", "checkpoint_period=2")
+  _, first, second, *_ = _two_updates(cfg)
+  assert first["learning/rl_kl"] == 0.0 and second["learning/rl_kl"] > 0
+
+
+@pytest.mark.parametrize(
+  ("keys", "message"),
+  [
+    (("decode_sampling_strategy=greedy",), "greedy rollouts make a group's completions all the same"),
+    (("num_generations=1",), "num_generations=1"),
+    (("num_iterations=2", "steps=3"), "steps=3 is not a multiple of num_iterations=2"),
+    (("use_sft=true",), "use_rl=true and use_sft=true"),
+    (("loss_algo=ppo",), "loss_algo"),
+    (("loss_agg_mode=mean",), "loss_agg_mode"),
+    (("reward_functions=[]",), "reward_functions"),
+  ],
+)
+def test_bad_rl_keys_are_refused_in_one_line(data, keys, message):
+  with pytest.raises(ConfigError, match=None) as error:
+    _config(data, *keys)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_batch_of_part_groups_and_a_wrong_column_are_refused(data):
+  with pytest.raises(ConfigError, match="not a multiple of num_generations=3"):
+    rollouts_lib.check(_config(data, "num_generations=3"))
+  with pytest.raises(ConfigError, match="RL reads one prompt column"):
+    rollouts_lib.check_prompts(_config(data, "train_data_columns=['answer']"), "train")
+
+
+def _train(data, tmp_path, *extra):
+  args = [
+    sys.executable,
+    "MaxText/train.py",
+    RL_YML,
+    *overrides_of(*_rl_keys(data, f"base_output_directory={tmp_path}", *extra)),
+  ]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  return args, env
+
+
+def test_a_reward_function_that_raises_stops_the_run_in_one_line(data, tmp_path):
+  args, env = _train(data, tmp_path, "run_name=r", "steps=2", "reward_functions=['MaxText.tests.rl_test:raises']")
+  proc = run(args, env)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.count("\n") == 1, proc.stderr
+  assert "reward function MaxText.tests.rl_test:raises raised KeyError" in proc.stderr
+
+
+# kill -9: 8 steps of 2 updates per batch of rollouts, a checkpoint every 2 steps.
+KILL = ("steps=8", "num_iterations=2", "checkpoint_period=2", "log_period=1", "enable_checkpointing=true")
+
+
+@pytest.mark.slow
+def test_rl_killed_with_kill_9_resumes_bit_exactly(data, tmp_path):
+  """train.py with use_rl on 2 devices is killed with SIGKILL once checkpoint 2 is committed; the same command
+  resumes from its latest checkpoint, regenerates the same rollouts (their seeds are the step's) and finishes. Every
+  loss and mean reward either part logged equals the uninterrupted run's, bit for bit."""
+  log = {part: open(tmp_path / f"{part}.log", "w", encoding="utf-8") for part in ("straight", "killed")}  # noqa: SIM115
+  procs = {}
+  for part in ("straight", "killed"):
+    args, env = _train(data, tmp_path, f"run_name={part}", f"metrics_file={tmp_path}/{part}.jsonl", *KILL)
+    procs[part] = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log[part], stderr=subprocess.STDOUT)
+  try:
+    with deadline(240):
+      while procs["killed"].poll() is None and not (tmp_path / "killed" / "checkpoints" / "2").is_dir():
+        time.sleep(0.01)
+      procs["killed"].send_signal(signal.SIGKILL)
+      assert procs["straight"].wait() == 0, (tmp_path / "straight.log").read_text()
+  finally:
+    for proc in procs.values():
+      proc.kill()
+      proc.wait()
+    for f in log.values():
+      f.close()
+  assert procs["killed"].returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
+  assert "8" not in os.listdir(tmp_path / "killed" / "checkpoints")
+  args, env = _train(data, tmp_path, "run_name=killed", f"metrics_file={tmp_path}/resumed.jsonl", *KILL)
+  resumed = run(args, env)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"resumed from {tmp_path}/killed/checkpoints/" in resumed.stdout
+  straight = _rewards(tmp_path / "straight.jsonl")
+  assert sorted(metrics_losses(tmp_path / "straight.jsonl")) == list(range(8))
+  after = _rewards(tmp_path / "resumed.jsonl")
+  assert after and min(after) >= 2 and min(after) % 2 == 0, sorted(after)
+  for step, values in (_rewards(tmp_path / "killed.jsonl", killed=True) | after).items():
+    assert values == straight[step], f"step {step}: {values} != {straight[step]}"
+
+
+def _rewards(path, killed=False) -> dict[int, tuple]:
+  """{step: (loss, mean reward, grad norm)} of a metrics_file (a killed run's last line may be cut short)."""
+  rows = []
+  for line in open(path, encoding="utf-8"):
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      assert killed
+  keys = ("learning/loss", "rl/reward_mean", "learning/grad_norm")
+  return {row["step"]: tuple(row[k] for k in keys) for row in rows if "learning/loss" in row}
