@@ -27,7 +27,7 @@ from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import models
 from MaxText.rl import loss as rl_loss
 from MaxText.rl import rollouts as rollouts_lib
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, metrics_losses, run
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, free_port, metrics_losses, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 RL_YML = os.path.join(os.path.dirname(BASE_YML), "rl.yml")
@@ -92,8 +92,7 @@ def _start(cfg, devices=1):
   mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
   model = models.Transformer(cfg, mesh)
   _, shardings = state.params_layout(model, cfg, mesh)
-  boxed = model.init({"params": jax.random.key(0)}, *models.init_inputs(1, cfg.max_target_length))
-  params = jax.device_put(nn.meta.unbox(boxed)["params"], shardings)
+  params = jax.device_put(nn.meta.unbox(state.init_params(model, cfg, jax.random.key(0))), shardings)
   return mesh, model, params, tokenizer_lib.check_tokenizer(cfg)
 
 
@@ -200,6 +199,29 @@ def test_a_sharded_rl_loss_and_its_gradients_equal_one_device(data):
   for (path, g8), g1 in zip(jax.tree_util.tree_leaves_with_path(grads8), jax.tree_util.tree_leaves(grads1), strict=True):
     scale = float(np.abs(g1).max()) + 1e-6
     np.testing.assert_allclose(g8, g1, atol=1e-4 * scale, rtol=0, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(
+  "mesh_keys",
+  [
+    ("ici_fsdp_parallelism=2",),
+    ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=1"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1"),
+  ],
+  ids=["fsdp", "tensor", "pipeline"],
+)
+def test_rollouts_and_updates_on_two_devices_equal_one(data, mesh_keys):
+  """The engine runs on the training layout of each parallelism (the pipeline's stages included): the same rollouts
+  as one device, token for token, and both updates' metrics (the second off-policy) within float32 rounding."""
+  keys = ("num_iterations=2", "steps=2", "checkpoint_period=2")
+  one = _two_updates(_config(data, *keys))
+  two = _two_updates(_config(data, *keys, *mesh_keys, "per_device_batch_size=4", num_devices=2), devices=2)
+  for key in ("inputs", "targets_segmentation"):
+    np.testing.assert_array_equal(two[0][key], one[0][key], err_msg=key)
+  np.testing.assert_allclose(two[0]["old_logprobs"], one[0]["old_logprobs"], atol=1e-5)
+  for i in (1, 2):
+    for key in ("learning/grad_norm", "learning/rl_kl", "learning/rl_entropy", "learning/rl_importance_ratio"):
+      np.testing.assert_allclose(two[i][key], one[i][key], rtol=1e-5, atol=1e-7, err_msg=f"update {i}: {key}")
 
 
 def _mean_loss(model, num_tokens):
@@ -352,3 +374,31 @@ def _rewards(path, killed=False) -> dict[int, tuple]:
       assert killed
   keys = ("learning/loss", "rl/reward_mean", "learning/grad_norm")
   return {row["step"]: tuple(row[k] for k in keys) for row in rows if "learning/loss" in row}
+
+
+@pytest.mark.slow
+def test_two_processes_roll_out_and_train_like_one(data, tmp_path):
+  """A job of 2 processes x 2 devices (fsdp across them) makes the rollouts of 1 process x 4 devices, the same
+  completions on every process, and takes the same updates: rewards equal, losses and gradient norms within 1e-5."""
+  from MaxText.tests.distributed_test import finish, log_tail
+
+  port = free_port()
+  common = ("steps=2", "per_device_batch_size=2", "log_period=1")
+
+  def start(name, devices, *keys, job=None):
+    args, env = _train(data, tmp_path, f"run_name={name}", f"metrics_file={tmp_path}/{name}.jsonl", *common, *keys)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if job is not None:
+      env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2", JAX_PROCESS_ID=str(job))
+    with open(tmp_path / f"{name}.log", "w", encoding="utf-8") as log:
+      return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+  two = ("dcn_fsdp_parallelism=2", "dcn_data_parallelism=1", "ici_fsdp_parallelism=2")
+  codes = finish([start("two", 2, *two, job=0), start("two_1", 2, *two, "run_name=two", job=1)])
+  assert codes == [0, 0], log_tail(tmp_path, "two") + log_tail(tmp_path, "two_1")
+  assert finish([start("one", 4, "ici_fsdp_parallelism=4")]) == [0], log_tail(tmp_path, "one")
+  one, split = _rewards(tmp_path / "one.jsonl"), _rewards(tmp_path / "two.jsonl")
+  assert sorted(one) == sorted(split) == [0, 1]
+  for step, (loss, reward, norm) in one.items():
+    assert split[step][1] == reward, step  # the same completions
+    assert split[step][0] == pytest.approx(loss, rel=1e-5, abs=1e-7) and split[step][2] == pytest.approx(norm, rel=1e-5)
