@@ -18,6 +18,7 @@ from flax import traverse_util
 from MaxText import cli, compiled_step, input_pipeline, lora, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
+from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import models
 from MaxText.rl import loss as rl_loss
 
@@ -412,7 +413,9 @@ def jit_train_step(  # noqa: PLR0913 (keyword-only, each named at the call)
   config: Config, mesh, *, model, schedule, tx, layout: state_lib.StateLayout, num_tokens: int | None = None
 ) -> JittedStep:
   """train_step with the state's and the batch's shardings on `mesh`, the state donated. num_tokens: RL's
-  vocabulary, the tokenizer's (train_step)."""
+  vocabulary (rl_loss_fn); by default the tokenizer's, so train_compile.py compiles the step train.py runs."""
+  if config.use_rl and num_tokens is None:
+    num_tokens = tokenizer_lib.check_tokenizer(config).vocab_size
   batch_sharding = sharding.batch_sharding(mesh, config)
   step_fn = jax.jit(
     lambda s, b: train_step(model, config, tx, schedule, s, b, num_tokens),

@@ -127,8 +127,7 @@ def _prepare(config: Config, manager, parts: step_lib.Parts, started: float) -> 
   the compiled step is known to fit in memory."""
   mesh, model, schedule, tx, layout = parts
   tokenizer = tokenizer_lib.check_tokenizer(config) if config.use_rl else None
-  num_tokens = tokenizer.vocab_size if tokenizer is not None else None
-  jitted = step_lib.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout, num_tokens=num_tokens)
+  jitted = step_lib.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
   compiled, start = step_lib.compile_while(
     config, mesh, jitted, lambda: checkpointing.restore_or_init(config, manager, model, tx, layout)
   )
