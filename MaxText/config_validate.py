@@ -31,6 +31,7 @@ from MaxText.config_parse import PATH_KEYS
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
 from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models, moe
+from MaxText.rl import loss as rl_loss
 from MaxText.rl import rewards
 
 # `hardware` -> the JAX platform it runs on (cli.configure_jax sets jax_platforms from it).
@@ -40,8 +41,6 @@ HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 def choices() -> dict[str, Collection[str]]:
   """Each key with a fixed set of values -> those values, read from the module that owns them (at call time, so
   a family registered after import counts)."""
-  from MaxText.rl import loss as rl_loss  # Here: it imports step.py, which imports this module through cli.
-
   return {
     "hardware": HARDWARE_PLATFORMS,
     "dtype": linears.DTYPES,

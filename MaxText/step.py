@@ -108,7 +108,7 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
     {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
   )
   mask = batch["targets_segmentation"] != 0
-  logps = rl_loss.token_logps(logits, batch["targets"], num_tokens)
+  logps = token_logps(logits, batch["targets"], num_tokens)
   old = jnp.where(on_policy, jax.lax.stop_gradient(logps), batch["old_logprobs"])
   reference = None
   if config.grpo_beta > 0:
@@ -117,7 +117,7 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
     reference_logits, _ = model.apply(
       {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
     )
-    reference = jax.lax.stop_gradient(rl_loss.token_logps(reference_logits, batch["targets"], num_tokens))
+    reference = jax.lax.stop_gradient(token_logps(reference_logits, batch["targets"], num_tokens))
   loss, weight, sums = rl_loss.policy_loss(
     logps,
     old,
@@ -130,7 +130,7 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
     epsilon_high=config.epsilon_high,
     beta=config.grpo_beta,
   )
-  aux = {"tokens": weight, **sums, "rl_entropy": rl_loss.entropy_sum(logits, mask, num_tokens)}
+  aux = {"tokens": weight, **sums, "rl_entropy": entropy_sum(logits, mask, num_tokens)}
   if config.num_experts > 1:
     aux.update(_moe_aux(config, sown, weight))
     loss += aux["moe_lb_loss"]
@@ -240,6 +240,35 @@ def _cross_entropy_bwd(residuals, g):
 
 
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def token_logps(logits: jax.Array, targets: jax.Array, num_tokens: int | None = None) -> jax.Array:
+  """log_softmax(logits)[targets] in float32: logits [B, L, vocab] (any float dtype), targets [B, L] -> [B, L].
+
+  Only the first num_tokens vocabulary ids count (the tokenizer's; the output head's padding ids are tokens the
+  sampler never draws, and its log-probabilities leave them out the same way); None: the whole vocabulary.
+  Differentiable w.r.t. logits through cross_entropy, whose custom VJP writes the [B, L, vocab] gradient in
+  one pass in the logits' dtype.
+  """
+  return -cross_entropy(_in_vocabulary(logits, num_tokens), targets)
+
+
+def entropy_sum(logits: jax.Array, mask: jax.Array, num_tokens: int | None = None) -> jax.Array:
+  """The policy's entropy -sum_v p_v log p_v summed over the tokens where mask [B, L] is true, a float32 scalar
+  (the same vocabulary as token_logps). A metric: no gradient flows through it."""
+  logp = jax.nn.log_softmax(jax.lax.stop_gradient(_in_vocabulary(logits, num_tokens)).astype(jnp.float32), axis=-1)
+  p_logp = jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0)  # 0 log 0 = 0 on the ids left out.
+  return -jnp.sum(jnp.where(mask, jnp.sum(p_logp, axis=-1), 0.0))
+
+
+def _in_vocabulary(logits: jax.Array, num_tokens: int | None) -> jax.Array:
+  """logits with the ids >= num_tokens at -inf (probability exactly 0); unchanged when none is."""
+  if num_tokens is None or num_tokens >= logits.shape[-1]:
+    return logits
+  if num_tokens < 1:
+    raise ValueError(f"num_tokens={num_tokens}: needs at least one vocabulary id; pass the tokenizer's vocabulary size")
+  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  return jnp.where(vocab < num_tokens, logits, -jnp.inf)
 
 
 def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL):

@@ -323,12 +323,7 @@ def check(config: Config) -> None:
   if config.dataset_type == "synthetic":
     return
   tokenizer.check_tokenizer(config)
-  if config.use_rl:  # prompts, not documents or conversations
-    from MaxText.rl import rollouts
-
-    rollouts.check_prompts(config, "train")
-    if config.eval_interval > 0:
-      rollouts.check_prompts(config, "eval")
+  if config.use_rl:  # prompts, which rl/rollouts.py reads and checks
     return
   _check_split(config, "train")
   if config.eval_interval > 0:

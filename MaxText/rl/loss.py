@@ -13,38 +13,6 @@ accumulation is exact in every aggregation mode (a mean per micro-batch would we
 import jax
 import jax.numpy as jnp
 
-from MaxText import step as step_lib  # A module import (not its names): step.py may import this module in turn.
-
-
-# ---------------------------------------------------------------------------------------------- log-probabilities
-def token_logps(logits: jax.Array, targets: jax.Array, num_tokens: int | None = None) -> jax.Array:
-  """log_softmax(logits)[targets] in float32: logits [B, L, vocab] (any float dtype), targets [B, L] -> [B, L].
-
-  Only the first num_tokens vocabulary ids count (the tokenizer's; the output head's padding ids are tokens the
-  sampler never draws, and its log-probabilities leave them out the same way); None: the whole vocabulary.
-  Differentiable w.r.t. logits through step.cross_entropy, whose custom VJP writes the [B, L, vocab] gradient in
-  one pass in the logits' dtype.
-  """
-  return -step_lib.cross_entropy(_in_vocabulary(logits, num_tokens), targets)
-
-
-def entropy_sum(logits: jax.Array, mask: jax.Array, num_tokens: int | None = None) -> jax.Array:
-  """The policy's entropy -sum_v p_v log p_v summed over the tokens where mask [B, L] is true, a float32 scalar
-  (the same vocabulary as token_logps). A metric: no gradient flows through it."""
-  logp = jax.nn.log_softmax(jax.lax.stop_gradient(_in_vocabulary(logits, num_tokens)).astype(jnp.float32), axis=-1)
-  p_logp = jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0)  # 0 log 0 = 0 on the ids left out.
-  return -jnp.sum(jnp.where(mask, jnp.sum(p_logp, axis=-1), 0.0))
-
-
-def _in_vocabulary(logits: jax.Array, num_tokens: int | None) -> jax.Array:
-  """logits with the ids >= num_tokens at -inf (probability exactly 0); unchanged when none is."""
-  if num_tokens is None or num_tokens >= logits.shape[-1]:
-    return logits
-  if num_tokens < 1:
-    raise ValueError(f"num_tokens={num_tokens}: needs at least one vocabulary id; pass the tokenizer's vocabulary size")
-  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  return jnp.where(vocab < num_tokens, logits, -jnp.inf)
-
 
 # ---------------------------------------------------------------------------------------------- importance ratios
 # Each takes lp, old [B, L] (zero off the mask) and |o_i| [B] and gives the ratio that is clipped, [B, L].

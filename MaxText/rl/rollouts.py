@@ -143,10 +143,13 @@ class Prompts:
 
 
 def check(config: Config) -> None:
-  """What a run's rollouts need, before it writes anything: the engine's keys, the reward functions (imported), and
-  the batch as whole groups of num_generations."""
+  """What a run's rollouts need, before it writes anything: the engine's keys, the reward functions (imported), the
+  batch as whole groups of num_generations, and prompts that the columns name and that fit."""
   engine_lib.check(config)
   rewards_lib.load(config)
+  check_prompts(config, "train")
+  if config.eval_interval > 0:
+    check_prompts(config, "eval")
   if config.global_batch_size % config.num_generations:
     raise ConfigError(
       f"global_batch_size={config.global_batch_size} (per_device_batch_size x devices) is not a multiple of "

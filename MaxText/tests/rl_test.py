@@ -25,7 +25,6 @@ from MaxText.common_types import ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import models
-from MaxText.rl import loss as rl_loss
 from MaxText.rl import rollouts as rollouts_lib
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, free_port, metrics_losses, run
 from MaxText.tests.helpers import overrides as overrides_of
@@ -98,7 +97,7 @@ def _start(cfg, devices=1):
 
 def _logps(model, params, batch, num_tokens):
   logits = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
-  return np.asarray(rl_loss.token_logps(logits, batch["targets"], num_tokens))
+  return np.asarray(step_lib.token_logps(logits, batch["targets"], num_tokens))
 
 
 def test_the_sampler_s_logprobs_equal_the_trainer_s_forward(data):
