@@ -230,9 +230,11 @@ def _loop(run: Run) -> TrainSummary:
       save, evaluate = cadence.save(completed, preempted), cadence.evaluate(completed)
       if not (save or evaluate or preempted or cadence.log(completed)):
         continue
+      laps_from = clock.last_step
       scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()} | clock.lap(completed)
-      if config.use_rl:
-        scalars |= run.data.metrics(scalars["perf/step_time_seconds"])
+      if config.use_rl:  # the lap's time, rollouts included, and its steps
+        steps = completed - laps_from
+        scalars |= run.data.metrics(scalars["perf/step_time_seconds"] * steps, steps)
       _log(run, step, scalars, summary, writer)
       if evaluate:
         with goodput.waiting("evaluation"):

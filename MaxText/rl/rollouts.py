@@ -199,6 +199,8 @@ class Rollouts:
     self.prompts = Prompts(config, tokenizer, "train")
     self.sampling = Sampling.from_config(config).request_settings()
     self.completion_limit = config.max_target_length - config.max_prefill_predict_length
+    self._cast = None
+    self.lap_seconds = 0.0  # the training rollouts' time since the last metrics()
     self.engine = engine_lib.Engine(
       config,
       mesh,
@@ -218,11 +220,12 @@ class Rollouts:
     dtype = engine_lib.params_dtype(self.config, self.mesh)
     if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(params)):
       return params
-    cast = jax.jit(
-      lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p),
-      out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, params),
-    )
-    return cast(params)
+    if self._cast is None:  # compiled once: the parameters keep their shapes and layout from step to step
+      self._cast = jax.jit(
+        lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p),
+        out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, params),
+      )
+    return self._cast(params)
 
   # ----------------------------------------------------------------------------- training batches
   def batch(self, params, step: int) -> dict[str, jax.Array] | None:
@@ -246,11 +249,13 @@ class Rollouts:
     ]
     rollout = self._run(params, prompts, requests, self.generations)
     self.last = rollout
+    self.lap_seconds += rollout.seconds
     totals = rewards_lib.total(self.rewards, rollout.scores)
     advantages = rewards_lib.group_advantages(totals, self.generations)
     return self._arrays(rollout, advantages)
 
   def _run(self, params, prompts: list[dict], requests: list[engine_lib.Request], generations: int) -> Rollout:
+    jax.block_until_ready(params)  # The update that made them is still running: its time is not the rollout's.
     start = time.perf_counter()
     self.engine.params = self._decoding(params)
     results = self.engine.generate(requests)
@@ -287,9 +292,10 @@ class Rollouts:
       for name, array in out.items()
     }
 
-  def metrics(self, step_time: float | None = None) -> dict[str, float]:
+  def metrics(self, lap_seconds: float | None = None, steps: int = 1) -> dict[str, float]:
     """The last rollout's scalars: rewards (mean and std, in total and per function), completion lengths, the share
-    cut by max_target_length, and rollout time and tokens/s."""
+    cut by max_target_length, and rollout time and tokens/s; given the wall time of the `steps` steps since the last
+    call (the loop's lap, rollouts included), the time of an update: that less the rollouts made in it, per step."""
     rollout = self.last
     if rollout is None:
       return {}
@@ -309,8 +315,9 @@ class Rollouts:
     for f, reward in enumerate(self.rewards):
       out[f"rl/reward_{reward.name}_mean"] = float(rollout.scores[:, f].mean())
       out[f"rl/reward_{reward.name}_std"] = float(rollout.scores[:, f].std())
-    if step_time is not None:  # the step's time less its share of the rollout (one in num_iterations steps has one)
-      out["rl/train_seconds_per_update"] = step_time - rollout.seconds / self.config.num_iterations
+    if lap_seconds is not None:
+      out["rl/train_seconds_per_update"] = (lap_seconds - self.lap_seconds) / steps
+    self.lap_seconds = 0.0
     return out
 
   # ----------------------------------------------------------------------------- evaluation

@@ -265,6 +265,68 @@ def check_hf_import_memory(request, tmp_path):
   assert "query kernel equal to the source: True" in text, text
 
 
+def check_benchmark_rl(request, tmp_path):
+  """benchmark_rl.py --quick (about 13 s): train.py's RL runs of 4 prompts x 2 completions, num_iterations 1 and 2,
+  and a plain step of the same rows. Its figures against what they must be: the rollout rate is the completion tokens
+  over the rollout time, the update time is the steps' time less the rollout's (train.py's own
+  rl/train_seconds_per_update averages to it over a batch of rollouts), and the printed lines are the report's."""
+  out = tmp_path / "rl"
+  text = run_script(["end_to_end/benchmark_rl.py", "--quick", "--out", str(out)])
+  with open(out / "rl.json", encoding="utf-8") as f:
+    report = json.load(f)
+  rows = report["prompts"] * report["generations"]
+  printed = numbers(rf"rl_iterations_(\d) step +(\d+): rollout +({NUMBER}) s \( *({NUMBER}) tokens/s", text)
+  assert [(int(i), int(s)) for i, s, *_ in printed] == [(1, 1), (2, 2)], text[-3000:]
+  for (iterations, _, seconds, per_second), name in zip(printed, ("rl_iterations_1", "rl_iterations_2"), strict=True):
+    run = report["runs"][name]
+    assert run["num_iterations"] == iterations and run["steps"] == 2 * iterations
+    (batch,) = run["batches"]  # the first batch of rollouts (it compiles) is left out
+    assert seconds == pytest.approx(batch["rollout_seconds"], abs=0.005)
+    assert per_second == pytest.approx(batch["rollout_tokens_per_s"], abs=0.05)
+    assert 1 <= batch["completion_length_mean"] <= report["max_target_length"] - 16  # --quick: prompts up to 16 tokens
+    tokens = batch["completion_length_mean"] * rows
+    assert batch["rollout_tokens_per_s"] == pytest.approx(tokens / batch["rollout_seconds"], rel=1e-6)
+    assert 0 < batch["rollout_seconds"] < batch["steps_seconds"] and 0 < batch["update_seconds"]
+    assert batch["update_seconds"] * iterations == pytest.approx(batch["steps_seconds"] - batch["rollout_seconds"], rel=1e-9)
+    reported = batch["reported_train_seconds_per_update"]
+    assert len(reported) == iterations and sum(reported) / iterations == pytest.approx(batch["update_seconds"], rel=1e-6)
+    assert batch["update_tokens_per_s"] == pytest.approx(rows * report["max_target_length"] / batch["update_seconds"])
+  ((seconds, per_second),) = numbers(rf"plain step: ({NUMBER}) s \(({NUMBER}) tokens/s\)", text)
+  plain = report["plain"]
+  assert seconds == pytest.approx(plain["step_seconds"], abs=0.005)
+  assert per_second == pytest.approx(plain["tokens_per_s"], abs=0.05)
+  assert plain["tokens_per_s"] == pytest.approx(rows * report["max_target_length"] / plain["step_seconds"], rel=1e-9)
+
+
+def check_rl_demo(request, tmp_path):
+  """rl_demo.sh --quick (about 30 s): the data, SFT 10 steps, GRPO and GSPO 2 steps each. decode.py's accuracy
+  against the held-out answers, and train.py's own greedy evaluation of the same parameters against decode.py's."""
+  out = str(tmp_path / "rl")
+  text = run_script(["end_to_end/rl_demo.sh", "--quick", out])
+  with open(os.path.join(out, "data", "heldout_answers.txt"), encoding="utf-8") as f:
+    answers = f.read().splitlines()
+  with open(os.path.join(out, "accuracy.txt"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  assert [line.split()[0] for line in lines] == ["start", "grpo", "gspo"], lines
+  n = len(answers)
+  for line in lines:
+    ((right, total, percent),) = numbers(rf"exact match (\d+)/(\d+) = ({NUMBER})%", line)
+    assert total == n == 200 and percent == pytest.approx(100 * right / n, abs=0.05), line
+    with open(os.path.join(out, f"{line.split()[0]}.decode.txt"), encoding="utf-8") as f:
+      outputs = re.findall(r"^Input `.*` -> `(.*)`$", f.read(), re.M)
+    assert right == sum(o.strip() == a for o, a in zip(outputs, answers, strict=True)), line
+  with open(os.path.join(out, "curve.txt"), encoding="utf-8") as f:
+    curves = [line for line in f.read().splitlines() if not line.startswith(" ")]
+  # Each run's curve starts at the warm-up's accuracy and ends at what decode.py measured of its last checkpoint.
+  for curve, line in zip(curves, lines[1:], strict=True):
+    points = numbers(rf"(\d+): ({NUMBER})%", curve)
+    assert [int(step) for step, _ in points] == [0, 2], curve
+    assert (
+      points[0][1] == numbers(rf"= ({NUMBER})%", lines[0])[0][0] and points[-1][1] == numbers(rf"= ({NUMBER})%", line)[0][0]
+    )
+  assert "eval before training" in text
+
+
 SHORT_MODES = {
   "end_to_end/quickstart_demo.sh": check_quickstart,
   "end_to_end/plot_metrics.py": check_plot_metrics,
@@ -276,6 +338,8 @@ SHORT_MODES = {
   "end_to_end/benchmark_serving.py": check_benchmark_serving,
   "end_to_end/grouped_matmul_cpu.py": check_grouped_matmul,
   "end_to_end/hf_import_memory.py": check_hf_import_memory,
+  "end_to_end/benchmark_rl.py": check_benchmark_rl,
+  "end_to_end/rl_demo.sh": check_rl_demo,
 }
 
 
