@@ -277,7 +277,8 @@ def _check_post_training(values: Mapping) -> None:
 
 
 def _check_rl(values: Mapping) -> None:
-  """Reinforcement learning (use_rl): its data, the sampling that makes groups differ, and the loss's numbers."""
+  """Reinforcement learning (use_rl): its rewards and groups (rewards.check), its data, the sampling that makes
+  groups differ, and the loss's numbers."""
   rewards.check(values)
   if not values["use_rl"]:
     return
@@ -286,25 +287,25 @@ def _check_rl(values: Mapping) -> None:
       raise ConfigError(f"use_rl=true and {other}=true: RL trains on its own rollouts of prompts; set one")
   if values["dataset_type"] == "synthetic":
     raise ConfigError("use_rl=true samples completions of prompts; set dataset_type to grain, tfds or hf")
-  if values["num_generations"] < 2:
-    raise ConfigError(
-      f"num_generations={values['num_generations']}: a group of one completion has no advantage (its reward less "
-      "its group's mean is 0); give at least 2"
-    )
-  if values["decode_sampling_strategy"] == "greedy" or values["decode_sampling_temperature"] == 0:
+  top_1 = values["decode_sampling_strategy"] == "topk" and values["decode_sampling_top_k"] == 1
+  if values["decode_sampling_strategy"] == "greedy" or values["decode_sampling_temperature"] == 0 or top_1:
     raise ConfigError(
       f"decode_sampling_strategy={values['decode_sampling_strategy']}, decode_sampling_temperature="
-      f"{values['decode_sampling_temperature']}: greedy rollouts make a group's completions all the same; set "
-      "decode_sampling_strategy=weighted (or nucleus, topk) with a temperature > 0"
+      f"{values['decode_sampling_temperature']}, decode_sampling_top_k={values['decode_sampling_top_k']}: greedy "
+      "rollouts make a group's completions all the same; set decode_sampling_strategy=weighted (or nucleus, topk "
+      "with top_k > 1) with a temperature > 0"
     )
   mu = values["num_iterations"]
   if mu < 1:
     raise ConfigError(f"num_iterations={mu} must be at least 1 (policy updates per batch of rollouts)")
-  for key in ("steps", "checkpoint_period"):
-    if values[key] % mu:
+  counts = {"steps": values["learning_rate_schedule_steps"] if values["steps"] == -1 else values["steps"]}
+  if values["enable_checkpointing"]:
+    counts["checkpoint_period"] = values["checkpoint_period"]
+  for key, count in counts.items():
+    if count % mu:
       raise ConfigError(
-        f"{key}={values[key]} is not a multiple of num_iterations={mu}: a run stops and saves only between batches "
-        f"of rollouts; give a multiple of {mu}"
+        f"{key}={values[key]} ({count} steps) is not a multiple of num_iterations={mu}: a run stops and saves only "
+        f"between batches of rollouts; give a multiple of {mu}"
       )
   if values["grpo_beta"] < 0 or not 0 < values["grpo_epsilon"] < 1 or values["epsilon_high"] <= 0:
     raise ConfigError(

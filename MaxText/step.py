@@ -100,6 +100,8 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
   sampler's (batch["old_logprobs"]). The reference model is `reference_params` (under LoRA, None: the base, adapters
   off), without dropout; with grpo_beta = 0 it is never run. num_tokens: the tokenizer's vocabulary, the ids the
   sampler draws from (the model's padded ids beyond it are left out of every softmax, as the engine leaves them).
+  Every log-probability is of the distribution the rollouts were drawn from: the logits over
+  decode_sampling_temperature (`_sampled`), the policy's, the reference's and the sampler's alike.
   Returns (the loss's sum, aux) with aux["tokens"] its denominator (loss_agg_mode's) and rl/loss.py's sums.
   """
   config = model.config
@@ -107,6 +109,7 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
   logits, sown = model.apply(
     {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
   )
+  logits = _sampled(config, logits)
   mask = batch["targets_segmentation"] != 0
   logps = token_logps(logits, batch["targets"], num_tokens)
   old = jnp.where(on_policy, jax.lax.stop_gradient(logps), batch["old_logprobs"])
@@ -117,7 +120,7 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
     reference_logits, _ = model.apply(
       {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
     )
-    reference = jax.lax.stop_gradient(token_logps(reference_logits, batch["targets"], num_tokens))
+    reference = jax.lax.stop_gradient(token_logps(_sampled(config, reference_logits), batch["targets"], num_tokens))
   loss, weight, sums = rl_loss.policy_loss(
     logps,
     old,
@@ -135,6 +138,13 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
     aux.update(_moe_aux(config, sown, weight))
     loss += aux["moe_lb_loss"]
   return loss, aux
+
+
+def _sampled(config: Config, logits):
+  """The logits of the distribution RL's rollouts are drawn from: over decode_sampling_temperature (the engine's
+  logprobs are of it too, sampled_logprobs; top-k and top-p are left out, as TRL leaves them)."""
+  temperature = config.decode_sampling_temperature
+  return logits if temperature == 1 else logits / jnp.asarray(temperature, logits.dtype)
 
 
 def dpo_loss_from_logits(config: Config, logits, reference_logits, both) -> tuple[jax.Array, dict]:
@@ -345,8 +355,8 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
     init = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
 
-  num_tokens = aux["tokens"]
-  denominator = jnp.maximum(num_tokens, 1).astype(jnp.float32)
+  weight = aux["tokens"]
+  denominator = jnp.maximum(weight, 1).astype(jnp.float32)
   grads = jax.tree_util.tree_map(lambda g, p: (g / denominator).astype(p.dtype), grads, trainable)
   updates, opt_state = tx.update(grads, state.opt_state, trainable)
   params = full(optax.apply_updates(trainable, updates))
@@ -358,7 +368,7 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
     "learning/grad_norm": optax.tree.norm(grads),
     "learning/param_norm": optax.tree.norm(new_state.params),
     "learning/current_learning_rate": schedule(state.step),
-    "learning/total_weights": num_tokens,
+    "learning/total_weights": weight,
   }
   if "moe_lb_loss" in aux:
     step_metrics["learning/moe_lb_loss"] = aux["moe_lb_loss"] / denominator

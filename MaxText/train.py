@@ -26,7 +26,7 @@ import yaml
 from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, pyconfig, storage
 from MaxText import state as state_lib
 from MaxText import step as step_lib
-from MaxText.common_types import Config, TrainingError
+from MaxText.common_types import Config, ConfigError, TrainingError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import pipeline
 from MaxText.rl import rollouts
@@ -209,6 +209,7 @@ def _loop(run: Run) -> TrainSummary:
   batch, completed = None, run.first_step
   stop = cli.StopRequest()
   failed = True
+  sync_preemption = False  # a multi-process job's agreed step to stop at came, inside a batch of rollouts (RL)
   try:
     if config.use_rl and run.first_step == 0 and config.eval_interval > 0:
       with goodput.waiting("evaluation"):
@@ -225,8 +226,9 @@ def _loop(run: Run) -> TrainSummary:
       if manager is not None:
         manager.check_for_errors()  # A background save that failed (a full disk) stops the run now.
       profiler.after_step(completed, state)
-      signal_name = "SIGTERM" if checkpointing.reached_preemption(manager, completed) else stop.signal_name
-      preempted = signal_name is not None and cadence.between_rollouts(completed)
+      sync_preemption = sync_preemption or checkpointing.reached_preemption(manager, completed)
+      signal_name = "SIGTERM" if sync_preemption else stop.signal_name
+      preempted = signal_name is not None and cadence.between_rollouts(completed)  # RL: at the batch's end
       save, evaluate = cadence.save(completed, preempted), cadence.evaluate(completed)
       if not (save or evaluate or preempted or cadence.log(completed)):
         continue
@@ -269,6 +271,12 @@ def _next_batch(run: Run, stop: cli.StopRequest, state: state_lib.TrainState, co
       if batch is None:
         raise StopIteration
       return batch
+  except ConfigError as e:  # RL: a reward function's mistake, or prompts that fit no more, met mid-run
+    if not saves:
+      raise
+    _save(run, state, completed, position)
+    run.manager.wait_until_finished()
+    raise ConfigError(f"{e}; checkpoint {completed} is saved: fix it and run the same command to resume") from None
   except cli.StopRequest.Interrupted:
     what = "preempted" if stop.signal_name == "SIGTERM" else "interrupted"
     why, fix = f"{what} ({stop.signal_name}) while waiting for the data of step {completed}", "run the same command again"

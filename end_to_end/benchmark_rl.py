@@ -14,13 +14,13 @@ or 128 tokens, then takes num_iterations policy updates on them. Two runs: num_i
 per two updates: its cost amortised). From train.py's metrics_file (log_period=1, so every step is timed alone and
 ends synchronised with the device), for each step after the first (which compiles) and, with num_iterations=2,
 each batch of rollouts after the first:
-  rollout seconds     rl/rollout_seconds: generating and scoring the batch's completions
-  update seconds      (the steps' perf/step_time_seconds - rollout seconds) / num_iterations
+  rollout seconds     rl/rollout_seconds: generating the batch's completions (the engine)
+  update seconds      (the steps' perf/step_time_seconds - rollout seconds - rl/reward_seconds) / num_iterations
   rollout share       rollout seconds / the steps' time
   rollout tokens/s    rl/rollout_tokens_per_sec: completion tokens (EOS included) / rollout seconds
   update tokens/s     rows x max_target_length (the positions each update computes, padding included) / update s
-(log_period=1 because train.py's rl/train_seconds_per_update is right only over a whole batch of rollouts, and with
-a longer log_period a rollout waits inside its timer for the previous, unlogged update: docs/PERFORMANCE.md.)
+(log_period=1: each step timed alone, so a batch's rollout and updates are told apart; train.py's own
+rl/train_seconds_per_update, the lap's time less its rollouts per step, averages to the update seconds over a batch.)
 Then a plain pretraining step of the same model and rows (configs/base.yml, synthetic data): an update's cost
 without RL. Results also go to OUT/rl.json. --quick (CI, about 15 s): 4 prompts x 2, 32 tokens in all, 2 and 4
 steps, and 2 plain steps.
@@ -115,9 +115,9 @@ def batches(records: list[dict], iterations: int, rows: int, length: int) -> lis
   for first in range(iterations, len(records) - iterations + 1, iterations):
     steps = records[first : first + iterations]
     seconds = sum(r["perf/step_time_seconds"] for r in steps)
-    rollout = steps[0]["rl/rollout_seconds"]
-    update = (seconds - rollout) / iterations
-    out.append({"step": steps[0]["step"], "steps_seconds": seconds, "rollout_seconds": rollout,
+    rollout, scoring = steps[0]["rl/rollout_seconds"], steps[0]["rl/reward_seconds"]
+    update = (seconds - rollout - scoring) / iterations
+    out.append({"step": steps[0]["step"], "steps_seconds": seconds, "rollout_seconds": rollout, "reward_seconds": scoring,
                 "update_seconds": update, "rollout_share": rollout / seconds,
                 "rollout_tokens_per_s": steps[0]["rl/rollout_tokens_per_sec"],
                 "completion_length_mean": steps[0]["rl/completion_length_mean"],

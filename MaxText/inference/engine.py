@@ -223,6 +223,7 @@ class Engine:
     max_queue: int = 64,
     steps_per_dispatch: int | None = None,
     num_slots: int | None = None,
+    sampled_logprobs: bool = False,
   ):
     check(config)
     cfg = self.config = config
@@ -231,6 +232,9 @@ class Engine:
     self.detokenize = detokenize
     self.max_queue = max_queue
     self.num_slots = num_slots or cfg.micro_batch_size  # RL rollouts: every completion of a step at once
+    # Logprobs of the distribution each token was drawn from, the logits over the request's temperature (RL's
+    # importance ratio; top-k and top-p left out, as TRL leaves them); by default the model's own (OpenAI's).
+    self.sampled_logprobs = sampled_logprobs
     self.steps = steps_per_dispatch or cfg.decode_steps_per_dispatch
     self.max_prompt_length = cfg.max_prefill_predict_length
     self.max_length = cfg.max_target_length
@@ -238,6 +242,8 @@ class Engine:
     self.pages_per_row = math.ceil(cfg.max_target_length / self.page_size)
     num_pages = cfg.pagedattn_num_pages or self.num_slots * self.pages_per_row
     self.pages = pages_lib.Pages(num_pages, self.page_size)
+    self._num_pages = num_pages
+    self._zeros = None
     self.chunk = cfg.prefill_chunk_size if cfg.use_chunked_prefill else self.max_prompt_length
     self.default_sampling = Sampling.from_config(cfg)
     self._prefill_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_PREFILL)
@@ -293,18 +299,21 @@ class Engine:
     return (ct.LAYERS, None, None, *per_token)
 
   def _empty_pool(self, num_pages: int):
-    shapes = jax.eval_shape(
-      lambda p: self._prefill_model.apply({"params": p}, *(jnp.zeros((1, 1), jnp.int32),) * 3)[1], self.params
-    )
-    shard = sharding.logical_sharding(self._pool_axes(), self.mesh, self.config)
-    self._pool_sharding = jax.tree_util.tree_map(lambda _: shard, shapes)
-
-    def zeros():
-      return jax.tree_util.tree_map(
-        lambda s: jnp.zeros((s.shape[0], num_pages, self.page_size, *s.shape[3:]), s.dtype), shapes
+    """A pool of zeros; its program is compiled once (load() allocates the pool again after each release())."""
+    if self._zeros is None:
+      shapes = jax.eval_shape(
+        lambda p: self._prefill_model.apply({"params": p}, *(jnp.zeros((1, 1), jnp.int32),) * 3)[1], self.params
       )
+      shard = sharding.logical_sharding(self._pool_axes(), self.mesh, self.config)
+      self._pool_sharding = jax.tree_util.tree_map(lambda _: shard, shapes)
 
-    return jax.jit(zeros, out_shardings=self._pool_sharding)()
+      def zeros():
+        return jax.tree_util.tree_map(
+          lambda s: jnp.zeros((s.shape[0], num_pages, self.page_size, *s.shape[3:]), s.dtype), shapes
+        )
+
+      self._zeros = jax.jit(zeros, out_shardings=self._pool_sharding)
+    return self._zeros()
 
   def _write(self, pool, new, table, positions, valid):
     """new (keys, values) [layers, batch, t, ...] of the tokens at `positions` [batch, t] into their pages;
@@ -318,6 +327,13 @@ class Engine:
     if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
       logits = jnp.where(jnp.arange(logits.shape[-1]) < self.num_tokens, logits, -jnp.inf)
     return logits.astype(jnp.float32)
+
+  def _sampled(self, logprobs, temperature):
+    """logprobs [rows, vocab] as the logprobs reports: the model's, or with sampled_logprobs those of the
+    distribution sampled from (log_softmax(logits / temperature); greedy rows keep the model's)."""
+    if not self.sampled_logprobs:
+      return logprobs
+    return jax.nn.log_softmax(logprobs / jnp.where(temperature > 0, temperature, 1.0)[:, None], axis=-1)
 
   def _extend(self, params, pool, table, tokens, positions, valid):
     """tokens [batch, t] at `positions`, after the positions[:, 0] tokens each row's pages hold -> (logits
@@ -358,7 +374,7 @@ class Engine:
     last = logprobs[:, count - 1]
     keys = jax.vmap(jax.random.fold_in)(_keys(sampling["seeds"]), jnp.zeros((1,), jnp.int32))
     token = sample_rows(last, keys, sampling["temperature"], sampling["top_k"], sampling["top_p"])
-    picked = _top(last, token)
+    picked = _top(self._sampled(last, sampling["temperature"]), token)
     prompt = _top(logprobs, chunk["targets"]) if echo else None
     return pool, token, picked, prompt
 
@@ -389,7 +405,7 @@ class Engine:
       stop = s.active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (s.budget <= 1))
       columns = {"tokens": token}
       if logprobs:
-        picked, top_ids, top_lp = _top(jax.nn.log_softmax(logits, axis=-1), token)
+        picked, top_ids, top_lp = _top(self._sampled(jax.nn.log_softmax(logits, axis=-1), s.temperature), token)
         columns |= {"logprob": picked, "top_ids": top_ids, "top_logprobs": top_lp}
       out = {name: out[name].at[:, i].set(columns[name]) for name in out}
       step = s.active.astype(jnp.int32)
@@ -444,6 +460,23 @@ class Engine:
       for pages in widths:
         table = self._table[:rows, :pages]
         self._compiled("generate", self._generate, self.params, self.pool, table, slots, np.bool_(False), logprobs=False)
+
+  def load(self, params) -> None:
+    """New parameters for the idle engine (RL's rollouts, between updates). Every cached prefix is dropped, since
+    its keys and values came from the old ones, and the KV pool is allocated again if `release` freed it."""
+    if self.busy():
+      raise RuntimeError("load() swaps the parameters of an idle engine; requests are running")
+    self.params = params
+    self.pages = pages_lib.Pages(self._num_pages, self.page_size)
+    if self.pool is None:
+      self.pool = self._empty_pool(self._num_pages)
+
+  def release(self) -> None:
+    """Drops the parameters and the KV pool of the idle engine, so their memory is free until `load` (RL's train
+    step runs between rollouts; it donates the parameters the engine would otherwise still hold)."""
+    if self.busy():
+      raise RuntimeError("release() frees an idle engine; requests are running")
+    self.params = self.pool = None
 
   # --------------------------------------------------------------------------------- requests
   def check(self, request: Request) -> None:

@@ -217,7 +217,7 @@ class Conversation:
         f"{self.key}={list(self.columns)}: a record has no column {missing[0]!r} (it has {sorted(record)}); "
         f"set {self.key} to the record's columns"
       )
-    return {c: _text(record[c]) for c in self.columns}
+    return {c: decoded(record[c]) for c in self.columns}
 
   def turns(self, record) -> list[dict]:
     """The record's conversation as validated {"role", "content"} turns; raises ConfigError."""
@@ -230,7 +230,7 @@ class Conversation:
         if not isinstance(values[column], str):
           raise ConfigError(f"{self.key}: a record's column {column!r} is {_short(values[column])}, not a string")
       turns = [{"role": "user", "content": values[prompt]}, {"role": "assistant", "content": values[completion]}]
-    return _check_turns(turns, self.key)
+    return check_turns(turns, self.key)
 
   def _plain(self, turns: list[dict]) -> tuple[list[int], list[int]]:
     tok = self._loaded[0]
@@ -294,7 +294,7 @@ class Preference(Conversation):
       raise ConfigError(f"{self.key}: a record's column {column!r} is {_short(value)}, not a string{turns}")
     if self.template is None:
       raise ConfigError(f"{self.key}: column {column!r} holds turns, which need a chat template; set use_chat_template=true")
-    return _check_turns(value, self.key, need_assistant=role == "assistant")
+    return check_turns(value, self.key, need_assistant=role == "assistant")
 
   def _after_prompt(self, prompt, response) -> tuple[list[int], int]:
     tok = self._loaded[0]
@@ -313,18 +313,18 @@ class Preference(Conversation):
     return [tok.bos_id] * self.add_bos + tok.encode(value) + [tok.eos_id] * self.add_eos
 
 
-def _text(value):
+def decoded(value):
   """Bytes (TFDS) -> str, through lists and dicts."""
   if isinstance(value, bytes):
     return value.decode("utf-8")
   if isinstance(value, dict):
-    return {k: _text(v) for k, v in value.items()}
+    return {k: decoded(v) for k, v in value.items()}
   if isinstance(value, (list, tuple, np.ndarray)):
-    return [_text(v) for v in value]
+    return [decoded(v) for v in value]
   return value
 
 
-def _check_turns(turns, key: str, need_assistant: bool = True) -> list[dict]:
+def check_turns(turns, key: str, need_assistant: bool = True) -> list[dict]:
   if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
     raise ConfigError(f"{key}: a conversation is {_short(turns)}, not a list of {{'role', 'content'}} turns")
   for i, turn in enumerate(turns):

@@ -2,13 +2,15 @@
 
 reward_functions lists the rewards, each a built-in or "module:function" (a module importable from the working
 directory or PYTHONPATH, dotted as `pkg.mod`; the function an attribute of it, dotted as `Class.method`);
-reward_weights weighs them in the total (empty: 1 each). The call convention is TRL's:
+reward_weights weighs them in the total (empty: 1 each). The call convention is TRL's (for text completions):
 
   fn(prompts=[str] * N, completions=[str] * N, **columns) -> a sequence of N numbers, one per completion
 
-`prompts[i]` is the prompt (as text) of completion i, so a prompt appears once per generation; `columns` holds
-every column of the records, each a list of N values aligned the same way (e.g. answer=[...]); a column named
-`prompts` or `completions` is not passed, as those names are taken. Write **columns to take the ones you do not use.
+`prompts[i]` is the prompt of completion i as its record gives it (a string, or for a `messages` column or a prompt
+of turns, its list of {"role", "content"} turns), so a prompt appears once per generation; completions are text;
+`columns` holds every column of the records, each a list of N values aligned the same way (e.g. answer=[...]); a
+column named `prompts` or `completions` is not passed, as those names are taken. Write **columns to take the ones
+you do not use.
 
 Built-ins (BUILTINS):
   exact_match  1 where the completion, stripped, equals str(answer) stripped; else 0. Needs the column `answer`.

@@ -48,7 +48,7 @@ def _record(record) -> dict:
       raise ConfigError("train_data_columns: a record is not a JSON object; write each record as UTF-8 JSON") from None
   if not isinstance(record, dict):
     raise ConfigError(f"train_data_columns: a record is a {type(record).__name__}, not an object of columns")
-  return {k: sft._text(v) for k, v in record.items()}
+  return {k: sft.decoded(v) for k, v in record.items()}
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ class Prompt:
       return prompts_lib.prompt_tokens(self.config, self.tokenizer, [value])[0]
     if not self.config.use_chat_template:
       raise ConfigError(f"{self.key}: a prompt holds turns, which need a chat template; set use_chat_template=true")
-    turns = sft._check_turns(value, self.key, need_assistant=False)
+    turns = sft.check_turns(value, self.key, need_assistant=False)
     if not turns:
       raise ConfigError(f"{self.key}: a conversation has no turn before its assistant turns; give a prompt")
     return prompts_lib.chat_tokens(self.config, self.tokenizer, turns)
@@ -182,7 +182,8 @@ class Rollout:
   prompts: list[dict]  # Prompts' examples, one per prompt
   results: list[engine_lib.Result]  # generation g of prompt p at p * G + g
   scores: np.ndarray  # [completions, reward functions]
-  seconds: float  # generating and scoring
+  seconds: float  # generating
+  reward_seconds: float  # scoring
 
   def completion_tokens(self, result: engine_lib.Result) -> list[int]:
     return result.tokens + ([] if result.stop_token is None else [result.stop_token])
@@ -210,7 +211,9 @@ class Rollouts:
       num_tokens=tokenizer.vocab_size,
       detokenize=tokenizer.decode,
       num_slots=config.global_batch_size,
+      sampled_logprobs=True,
     )
+    self.engine.release()  # Its pool and parameters are loaded for each rollout (_run) and freed after.
     self.batch_sharding = sharding.batch_sharding(mesh, config)
     self.last: Rollout | None = None
 
@@ -249,7 +252,7 @@ class Rollouts:
     ]
     rollout = self._run(params, prompts, requests, self.generations)
     self.last = rollout
-    self.lap_seconds += rollout.seconds
+    self.lap_seconds += rollout.seconds + rollout.reward_seconds
     totals = rewards_lib.total(self.rewards, rollout.scores)
     advantages = rewards_lib.group_advantages(totals, self.generations)
     return self._arrays(rollout, advantages)
@@ -257,14 +260,15 @@ class Rollouts:
   def _run(self, params, prompts: list[dict], requests: list[engine_lib.Request], generations: int) -> Rollout:
     jax.block_until_ready(params)  # The update that made them is still running: its time is not the rollout's.
     start = time.perf_counter()
-    self.engine.params = self._decoding(params)
+    self.engine.load(self._decoding(params))
     results = self.engine.generate(requests)
-    self.engine.params = None  # The train step donates the parameters: hold no reference to them.
+    self.engine.release()  # The train step donates the parameters, and needs the pool's memory.
+    generated = time.perf_counter()
     texts = [example["prompt"] for example in prompts for _ in range(generations)]
     names = sorted({name for example in prompts for name in example["columns"]})
     columns = {name: [example["columns"].get(name) for example in prompts for _ in range(generations)] for name in names}
     scores = rewards_lib.score(self.rewards, texts, [r.text for r in results], columns)
-    return Rollout(prompts, results, scores, time.perf_counter() - start)
+    return Rollout(prompts, results, scores, generated - start, time.perf_counter() - generated)
 
   def _arrays(self, rollout: Rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
     rows, length = self.config.global_batch_size, self.config.max_target_length
@@ -294,7 +298,8 @@ class Rollouts:
 
   def metrics(self, lap_seconds: float | None = None, steps: int = 1) -> dict[str, float]:
     """The last rollout's scalars: rewards (mean and std, in total and per function), completion lengths, the share
-    cut by max_target_length, and rollout time and tokens/s; given the wall time of the `steps` steps since the last
+    cut by max_target_length, the time and tokens/s of generating (the engine's) and the time of scoring, and the
+    prompts skipped so far as longer than max_prefill_predict_length; given the wall time of the `steps` steps since the last
     call (the loop's lap, rollouts included), the time of an update: that less the rollouts made in it, per step."""
     rollout = self.last
     if rollout is None:
@@ -311,6 +316,8 @@ class Rollouts:
       "rl/groups_without_signal": float(np.mean(groups.max(axis=1) == groups.min(axis=1))),
       "rl/rollout_seconds": rollout.seconds,
       "rl/rollout_tokens_per_sec": float(lengths.sum()) / rollout.seconds,
+      "rl/reward_seconds": rollout.reward_seconds,
+      "rl/prompts_skipped": float(self.prompts.dropped),
     }
     for f, reward in enumerate(self.rewards):
       out[f"rl/reward_{reward.name}_mean"] = float(rollout.scores[:, f].mean())

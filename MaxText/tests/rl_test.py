@@ -38,8 +38,15 @@ def shorter(prompts, completions, **columns):
   return [1.0 / (1 + len(c)) for c in completions]
 
 
-def raises(prompts, completions, **columns):
-  raise KeyError("no such thing")
+CALLS = []
+
+
+def raises_later(prompts, completions, **columns):
+  """A reward that works for two batches of rollouts, then raises."""
+  CALLS.append(len(completions))
+  if len(CALLS) > 2:
+    raise KeyError("no such thing")
+  return [0.0] * len(completions)
 
 
 @pytest.fixture(scope="module")
@@ -95,22 +102,24 @@ def _start(cfg, devices=1):
   return mesh, model, params, tokenizer_lib.check_tokenizer(cfg)
 
 
-def _logps(model, params, batch, num_tokens):
+def _logps(model, params, batch, num_tokens, temperature=1.0):
   logits = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
-  return np.asarray(step_lib.token_logps(logits, batch["targets"], num_tokens))
+  return np.asarray(step_lib.token_logps(logits / temperature, batch["targets"], num_tokens))
 
 
-def test_the_sampler_s_logprobs_equal_the_trainer_s_forward(data):
-  """The engine's log-probability of each completion token it sampled (paged cache, decode mode) equals the train
-  step's forward pass over prompt + completion (float32, 1e-5); the batch holds each prompt's num_generations
-  completions, different from each other, in rows of one group."""
-  cfg = _config(data)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_sampler_s_logprobs_equal_the_trainer_s_forward(data, temperature):
+  """The engine's log-probability of each completion token it sampled (paged cache, decode mode), of the
+  distribution it sampled from (the logits over the temperature), equals the train step's (rl_loss_fn's) forward
+  pass over prompt + completion (float32, 1e-5); the batch holds each prompt's num_generations completions, different
+  from each other, in rows of one group."""
+  cfg = _config(data, f"decode_sampling_temperature={temperature}")
   mesh, model, params, tokenizer = _start(cfg)
   rollouts = rollouts_lib.Rollouts(cfg, mesh, params, tokenizer)
   batch = jax.device_get(rollouts.batch(params, step=0))
   mask = batch["targets_segmentation"] == 1
   assert mask.sum(axis=1).min() >= 1
-  got = _logps(model, params, batch, tokenizer.vocab_size)
+  got = _logps(model, params, batch, tokenizer.vocab_size, temperature)
   np.testing.assert_allclose(batch["old_logprobs"][mask], got[mask], atol=1e-5, rtol=0)
   assert np.all(batch["old_logprobs"][~mask] == 0)
   groups = batch["inputs"].reshape(-1, cfg.num_generations, cfg.max_target_length)
@@ -132,7 +141,7 @@ def test_the_batch_lays_out_prompt_completion_and_stop_token():
   lp = engine_lib.TokenLogprob
   stopped = engine_lib.Result([7, 8], "ab", [lp(-0.5, []), lp(-0.25, [])], stop_token=2, stop_logprob=lp(-0.125, []))
   cut = engine_lib.Result([9, 9, 9], "ccc", [lp(-1.0, [])] * 3, finish_reason="length")
-  rollout = rollouts_lib.Rollout([{"tokens": np.asarray([1, 5, 6])}], [stopped, cut], np.zeros((2, 1)), 1.0)
+  rollout = rollouts_lib.Rollout([{"tokens": np.asarray([1, 5, 6])}], [stopped, cut], np.zeros((2, 1)), 1.0, 0.0)
   batch = jax.device_get(rollouts._arrays(rollout, np.asarray([0.5, -0.5], np.float32)))
   np.testing.assert_array_equal(batch["inputs"], [[1, 5, 6, 7, 8, 2, 0, 0], [1, 5, 6, 9, 9, 9, 0, 0]])
   np.testing.assert_array_equal(batch["targets"], [[5, 6, 7, 8, 2, 0, 0, 0], [5, 6, 9, 9, 9, 0, 0, 0]])
@@ -284,7 +293,7 @@ def test_lora_rl_keeps_no_reference_copy(data):
   [
     (("decode_sampling_strategy=greedy",), "greedy rollouts make a group's completions all the same"),
     (("num_generations=1",), "num_generations=1"),
-    (("num_iterations=2", "steps=3"), "steps=3 is not a multiple of num_iterations=2"),
+    (("num_iterations=2", "steps=3"), "steps=3 (3 steps) is not a multiple of num_iterations=2"),
     (("use_sft=true",), "use_rl=true and use_sft=true"),
     (("loss_algo=ppo",), "loss_algo"),
     (("loss_agg_mode=mean",), "loss_agg_mode"),
@@ -295,6 +304,32 @@ def test_bad_rl_keys_are_refused_in_one_line(data, keys, message):
   with pytest.raises(ConfigError, match=None) as error:
     _config(data, *keys)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_step_counts_are_checked_as_resolved(data):
+  """steps=-1 takes learning_rate_schedule_steps, and checkpoint_period matters only when checkpoints are saved."""
+  assert _config(data, "steps=-1", "learning_rate_schedule_steps=10", "num_iterations=2").steps == 10
+  assert _config(data, "enable_checkpointing=false", "num_iterations=3", "steps=9").num_iterations == 3
+  with pytest.raises(ConfigError, match=r"steps=-1 \(9 steps\) is not a multiple of num_iterations=2"):
+    _config(data, "steps=-1", "learning_rate_schedule_steps=9", "num_iterations=2")
+
+
+def test_new_parameters_drop_the_prefix_cache(data):
+  """With enable_prefix_caching, the pages a rollout's prompts leave cached hold keys of the parameters it ran on; the
+  next rollout, on new parameters and the same prompts, computes them again (no prefix hit): its completions and
+  logprobs equal a fresh engine's."""
+  cfg = _config(data, "enable_prefix_caching=true", "pagedattn_tokens_per_page=2")
+  mesh, model, params, tokenizer = _start(cfg)
+  moved = jax.tree_util.tree_map(lambda x: x * 1.5, params)
+  rollouts = rollouts_lib.Rollouts(cfg, mesh, params, tokenizer)
+  first = jax.device_get(rollouts.batch(params, step=0))
+  rollouts.prompts = rollouts_lib.Prompts(cfg, tokenizer, "train")  # the same prompts again
+  again = jax.device_get(rollouts.batch(moved, step=0))
+  assert rollouts.engine.stats["prefix_hit_tokens"] == 0
+  want = jax.device_get(rollouts_lib.Rollouts(cfg, mesh, moved, tokenizer).batch(moved, step=0))
+  assert not np.array_equal(first["old_logprobs"], want["old_logprobs"])  # the new parameters differ
+  np.testing.assert_array_equal(again["inputs"], want["inputs"])
+  np.testing.assert_array_equal(again["old_logprobs"], want["old_logprobs"])
 
 
 def test_a_batch_of_part_groups_and_a_wrong_column_are_refused(data):
@@ -315,12 +350,17 @@ def _train(data, tmp_path, *extra):
   return args, env
 
 
-def test_a_reward_function_that_raises_stops_the_run_in_one_line(data, tmp_path):
-  args, env = _train(data, tmp_path, "run_name=r", "steps=2", "reward_functions=['MaxText.tests.rl_test:raises']")
+def test_a_reward_function_that_raises_stops_the_run_in_one_line_and_saves(data, tmp_path):
+  """A reward function that raises at the third batch of rollouts: one line naming it, exit 2, and the two steps
+  done are saved (the prompts of the failed batch are taken again on resume)."""
+  reward = "reward_functions=['MaxText.tests.rl_test:raises_later']"
+  args, env = _train(data, tmp_path, "run_name=r", "steps=4", reward, "enable_checkpointing=true")
   proc = run(args, env)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.count("\n") == 1, proc.stderr
-  assert "reward function MaxText.tests.rl_test:raises raised KeyError" in proc.stderr
+  assert "reward function MaxText.tests.rl_test:raises_later raised KeyError" in proc.stderr
+  assert "checkpoint 2 is saved: fix it and run the same command to resume" in proc.stderr
+  assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["2"]
 
 
 # kill -9: 8 steps of 2 updates per batch of rollouts, a checkpoint every 2 steps.
