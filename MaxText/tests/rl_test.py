@@ -209,6 +209,19 @@ def test_a_sharded_rl_loss_and_its_gradients_equal_one_device(data):
     np.testing.assert_allclose(g8, g1, atol=1e-4 * scale, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.fixture(scope="module")
+def one_device_updates():
+  """_two_updates on one device, once for every mesh it is compared with."""
+  cache = {}
+
+  def get(data):
+    if not cache:
+      cache["one"] = _two_updates(_config(data, "num_iterations=2", "steps=2", "checkpoint_period=2"))
+    return cache["one"]
+
+  return get
+
+
 @pytest.mark.parametrize(
   "mesh_keys",
   [
@@ -218,11 +231,11 @@ def test_a_sharded_rl_loss_and_its_gradients_equal_one_device(data):
   ],
   ids=["fsdp", "tensor", "pipeline"],
 )
-def test_rollouts_and_updates_on_two_devices_equal_one(data, mesh_keys):
+def test_rollouts_and_updates_on_two_devices_equal_one(data, mesh_keys, one_device_updates):
   """The engine runs on the training layout of each parallelism (the pipeline's stages included): the same rollouts
   as one device, token for token, and both updates' metrics (the second off-policy) within float32 rounding."""
   keys = ("num_iterations=2", "steps=2", "checkpoint_period=2")
-  one = _two_updates(_config(data, *keys))
+  one = one_device_updates(data)
   two = _two_updates(_config(data, *keys, *mesh_keys, "per_device_batch_size=4", num_devices=2), devices=2)
   for key in ("inputs", "targets_segmentation"):
     np.testing.assert_array_equal(two[0][key], one[0][key], err_msg=key)
