@@ -129,6 +129,11 @@ def free_port() -> int:
 def metrics_losses(path, killed: bool = False) -> dict[int, float]:
   """{step: loss} of a metrics_file (JSON lines). `killed`: the file of a run killed with kill -9, perhaps resumed
   since, so a line cut short is left out; otherwise every line must be whole."""
+  return {step: values[0] for step, values in metrics_values(path, ("learning/loss",), killed).items()}
+
+
+def metrics_values(path, keys: tuple[str, ...], killed: bool = False) -> dict[int, tuple]:
+  """{step: the values of `keys`} of each logged step of a metrics_file (`killed` as metrics_losses')."""
   rows = []
   with open(path, encoding="utf-8") as f:
     for line in f:
@@ -137,7 +142,7 @@ def metrics_losses(path, killed: bool = False) -> dict[int, float]:
       except ValueError:
         if not killed:
           raise
-  return {row["step"]: row["learning/loss"] for row in rows if "learning/loss" in row}
+  return {row["step"]: tuple(row[k] for k in keys) for row in rows if "learning/loss" in row}
 
 
 def abstract_params(preset: str):

@@ -26,7 +26,7 @@ from MaxText.inference import engine as engine_lib
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import models
 from MaxText.rl import rollouts as rollouts_lib
-from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, free_port, metrics_losses, run
+from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, free_port, metrics_losses, metrics_values, run
 from MaxText.tests.helpers import overrides as overrides_of
 
 RL_YML = os.path.join(os.path.dirname(BASE_YML), "rl.yml")
@@ -417,15 +417,8 @@ def test_rl_killed_with_kill_9_resumes_bit_exactly(data, tmp_path):
 
 
 def _rewards(path, killed=False) -> dict[int, tuple]:
-  """{step: (loss, mean reward, grad norm)} of a metrics_file (a killed run's last line may be cut short)."""
-  rows = []
-  for line in open(path, encoding="utf-8"):
-    try:
-      rows.append(json.loads(line))
-    except ValueError:
-      assert killed
-  keys = ("learning/loss", "rl/reward_mean", "learning/grad_norm")
-  return {row["step"]: tuple(row[k] for k in keys) for row in rows if "learning/loss" in row}
+  """{step: (loss, mean reward, grad norm)} of a metrics_file."""
+  return metrics_values(path, ("learning/loss", "rl/reward_mean", "learning/grad_norm"), killed)
 
 
 @pytest.mark.slow
