@@ -30,7 +30,7 @@ from MaxText.config_derive import (
 from MaxText.config_parse import PATH_KEYS
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
-from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models, moe
+from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models, moe, quantizations
 from MaxText.rl import loss as rl_loss
 from MaxText.rl import rewards
 
@@ -64,6 +64,9 @@ def choices() -> dict[str, Collection[str]]:
     "routed_score_func": moe.SCORE_FUNCS,
     "loss_algo": rl_loss.ALGOS,
     "loss_agg_mode": rl_loss.AGG_MODES,
+    "quantization": quantizations.QUANTIZATIONS,
+    "kv_quant_dtype": quantizations.KV_QUANT_DTYPES,
+    "kv_quant_axis": quantizations.KV_QUANT_AXES,
   }
 
 
@@ -86,6 +89,7 @@ def validate(values: Mapping) -> None:
   _check_moe(values)
   _check_scale(values)
   lora.check({**values, **model_dims(values)})
+  quantizations.check(values)
   families.get(values["decoder_block"]).check(values)
 
 

@@ -19,7 +19,7 @@ from MaxText import cli, compiled_step, input_pipeline, lora, optimizers, shardi
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.layers import models
+from MaxText.layers import models, quantizations
 from MaxText.rl import loss as rl_loss
 
 
@@ -424,7 +424,12 @@ def build(config: Config, devices=None) -> Parts:
   missing = sharding.missing_rules(config)
   if missing:
     raise ConfigError(f"logical_axis_rules has no rule for {missing}; add [name, [mesh axes]] entries for them")
-  model = models.Transformer(config, mesh)
+  if quantizations.is_weight_only(config):
+    raise ConfigError(
+      f"quantization={config.quantization} quantizes weights for inference (decode.py, serve.py); train with "
+      "int8, fp8 or fp8_full, or without quantization"
+    )
+  model = quantizations.quantize_model(models.Transformer(config, mesh), config)
   if config.lora_rank > 0 and not jax.tree_util.tree_leaves(lora.partition(state_lib.abstract_params(config))[0]):
     raise ConfigError(
       f"lora_target_modules={list(config.lora_target_modules)} names no projection of decoder_block="

@@ -81,7 +81,9 @@ class DenseGeneral(nn.Module):
         low = jnp.tensordot(a, b, axes=([-1], [0]), precision=PRECISIONS[self.config.matmul_precision])
         kernel = kernel.astype(jnp.float32) + lora.scale(self.config) * low
       return kernel.astype(dtype), bias
-    y = _contract(x.astype(dtype), kernel.astype(dtype), self.num_in, self.config)
+    # jnp.asarray, not .astype: under weight-only quantization (qwix PTQ) the kernel is a quantized array, which
+    # qwix's asarray keeps quantized.
+    y = _contract(x.astype(dtype), jnp.asarray(kernel, dtype), self.num_in, self.config)
     if adapter is not None:
       a, b = (w.astype(dtype) for w in adapter)
       low = _contract(_contract(x.astype(dtype), a, self.num_in, self.config), b, 1, self.config)
