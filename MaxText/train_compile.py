@@ -7,8 +7,12 @@ It compiles the step train.py runs (step.jit_train_step and step.compile_step: t
 compiler options) for compile_topology (tpu_topology.py's names) through libtpu, on this host's CPU, and prints per
 device the memory the step needs against the chip's HBM, its FLOPs and its collectives. Exit code 0 when it fits;
 1 and one line (`does not fit: ...`) when it does not, whether XLA refuses to compile it or the compiled step
-needs more than the chip has; 2 for a config mistake. With compiled_trainstep_file=PATH it also writes the
-executable, which `train.py compiled_trainstep_file=PATH` on that slice loads instead of compiling.
+needs more than the chip has; 2 for a config mistake. Its last line sums the program up: the operand dtypes of the
+dots (and convolutions) in the optimized HLO, e.g. `dots: s8 x 27, bf16 x 3` (the 16B step with quantization=int8:
+its matmuls are s8 dots, fp8's f8e4m3fn ones; mixed operands read `f8e4m3fn/f8e5m2`; instructions, so one in the
+scanned layers' loop counts once), and the GiB per chip against the HBM.
+With compiled_trainstep_file=PATH it also writes the executable, which `train.py compiled_trainstep_file=PATH` on
+that slice loads instead of compiling.
 
 An empty compile_topology compiles for this host's own devices, as train.py would (the file then loads in a
 train.py run here: the tests check the file that way on the CPU).
@@ -17,7 +21,9 @@ It imports step.py, where train.py's step lives, so what it compiles is that ste
 script imports another.
 """
 
+import collections
 import functools
+import re
 import sys
 import time
 
@@ -29,6 +35,46 @@ import jax
 from MaxText import cli, compiled_step, pyconfig, step, tpu_topology
 from MaxText.common_types import Config, ConfigError, TrainingError
 from MaxText.layers import pipeline
+
+GiB = 2**30
+
+
+# An HLO instruction's name and the element type of its result: `%fusion.3 = s8[2,64]{1,0} fusion(...)` (a tuple
+# result, `(bf16[2], s32[])`, gives its first element's).
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?([a-z][a-z0-9]*)\[")
+# A dot or convolution and its operands: `%dot.1 = s32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims=...`; an
+# operand may carry its type inline (`dot(s8[8,16]{1,0} %a, ...)`, HLO printed with operand shapes).
+_DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s(?:dot|convolution)\(([^)]*)\)")
+_OPERAND = re.compile(r"(?:([a-z][a-z0-9]*)\[[^\]]*\]\S*\s+)?%([\w.\-]+)")
+
+
+def dot_dtypes(hlo_text: str) -> dict[str, int]:
+  """Dots and convolutions in HLO text by the element type of their operands, most first: "s8" when both operands
+  are s8, "f32/bf16" when they differ (instructions: one in a loop body counts once). Optimized HLO names operands,
+  not their types, so each is looked up by its name (unique in an HLO module), inside fused computations too."""
+  lines = hlo_text.splitlines()
+  types = {}
+  for line in lines:
+    found = _DEFINITION.match(line)
+    if found:
+      types[found.group(1)] = found.group(2)
+  counts = collections.Counter()
+  for line in lines:
+    found = _DOT.match(line)
+    if not found:
+      continue
+    operands = [inline or types.get(name, "?") for inline, name in _OPERAND.findall(found.group(1))[:2]]
+    counts[operands[0] if len(set(operands)) == 1 else "/".join(operands)] += 1
+  return dict(counts.most_common())
+
+
+def summary(report: compiled_step.StepReport, dots: dict[str, int]) -> str:
+  """One line: the dots' operand dtypes and the GiB per chip (XLA's peak; the allocated total with offloading)."""
+  per_chip = report.needed if report.needed is not None else report.total
+  size = f"{per_chip / GiB:.2f} GiB" if per_chip >= GiB / 10 else f"{per_chip / 2**20:.2f} MiB"  # a tiny model's
+  hbm = "" if report.hbm is None else f" of {report.hbm / GiB:.2f} GiB HBM"
+  dot_text = ", ".join(f"{dtype} x {n}" for dtype, n in dots.items()) or "none"
+  return f"Summary: dots: {dot_text}; {size} per chip{hbm} ({report.target})"
 
 
 class Phases:
@@ -111,6 +157,7 @@ def _main(config: Config, phase: Phases) -> None:
   cli.log("\n".join(report.lines()))
   if pipeline.num_stages(config) > 1:
     cli.log(pipeline.describe(config))
+  cli.log(summary(report, dot_dtypes(compiled.as_text())))
   if not report.fits:
     raise TrainingError(report.does_not_fit(config))
   if config.compiled_trainstep_file:

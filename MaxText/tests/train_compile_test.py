@@ -162,6 +162,42 @@ def test_collectives_are_counted_sync_and_async_by_opcode():
   }
 
 
+def test_dots_are_counted_by_their_operands_dtypes_inside_fusions_and_inline():
+  hlo = """
+  %fused_computation.1 (param_0.3: s8[8,16], param_1.2: s8[16,4]) -> s32[8,4] {
+    %param_0.3 = s8[8,16]{1,0} parameter(0)
+    %param_1.2 = s8[16,4]{1,0} parameter(1)
+    ROOT %dot.2 = s32[8,4]{1,0} dot(%param_0.3, %param_1.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  }
+  ENTRY %main {
+    %p = (f32[2,8], bf16[8,4]) parameter(0)
+    %x = f32[2,8]{1,0} get-tuple-element(%p), index=0
+    %w = bf16[8,4]{1,0} get-tuple-element(%p), index=1
+    %conv.1 = f32[2,4]{1,0} convolution(%x, %w), dim_labels=bf_io->bf
+    %mixed = f32[2,4]{1,0} dot(f8e4m3fn[2,8]{1,0} %a, f8e5m2[8,4]{1,0} %b), lhs_contracting_dims={1}
+    %fusion.7 = s32[8,4]{1,0} fusion(%q, %r), kind=kOutput, calls=%fused_computation.1
+    %dot_product_fusion = f32[2,4]{1,0} fusion(%x), kind=kLoop, calls=%other
+  }
+  """
+  assert train_compile.dot_dtypes(hlo) == {"s8": 1, "f32/bf16": 1, "f8e4m3fn/f8e5m2": 1}
+
+
+def test_dots_of_a_compiled_function_by_operand_dtype():
+  """Two int8 x int8 -> int32 matmuls and one float32 one, compiled for this host's CPU: its optimized HLO names
+  the operands, often parameters of the fused computation that holds the dot. (The CPU compiler turns bfloat16
+  dots, and int8 ones with a transposed operand, into float32 / int32 ones: only dots it keeps are asked of it.)"""
+
+  def f(a, b, c, x, y):
+    int8 = functools.partial(jax.lax.dot, preferred_element_type=jax.numpy.int32)
+    return int8(a, b), int8(c, b), x @ y
+
+  i8, f32 = jax.numpy.int8, jax.numpy.float32
+  shapes = [((8, 16), i8), ((16, 4), i8), ((32, 16), i8), ((8, 16), f32), ((16, 4), f32)]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+  hlo = jax.jit(f).lower(*args).compile().as_text()
+  assert train_compile.dot_dtypes(hlo) == {"s8": 2, "f32": 1}
+
+
 def _shard_bytes(x):
   return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
@@ -232,6 +268,25 @@ def test_a_step_that_does_not_fit_exits_1_with_one_line(capsys):
   err = capsys.readouterr().err
   assert code == 1 and err.count("\n") == 1
   assert re.match(r"error: does not fit: [\d.]+ GiB per chip > [\d.]+ GiB HBM of v5e; try ", err)
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+  "quantization, dtypes", [("int8", {"s8"}), ("fp8_full", {"f8e4m3fn", "f8e4m3fn/f8e5m2"}), ("", set())]
+)
+def test_a_quantized_step_reports_its_quantized_dots_and_gib_per_chip(quantization, dtypes, capsys):
+  """The tiny model on a v5e-4: int8 training's matmuls are s8 dots in the optimized HLO, fp8_full's e4m3 forward
+  and e4m3 x e5m2 gradient ones; unquantized, none are. Attention's own products stay bfloat16 either way."""
+  tpu = ("compile_topology=v5e-4", "attention=dot_product", "dtype=bfloat16", "matmul_precision=default")
+  argv = ["train_compile.py", BASE_YML, *overrides(*tpu, f"quantization={quantization}")]
+  assert train_compile.main(argv) == 0
+  summary = capsys.readouterr().out.strip().splitlines()[-1]
+  found = re.fullmatch(r"Summary: dots: (.*); ([\d.]+) MiB per chip of 15\.75 GiB HBM \(v5e-4 .*\)", summary)
+  assert found, summary
+  dots = dict(item.split(" x ") for item in found.group(1).split(", "))  # dtype -> count
+  quantized = {"s8", "f8e4m3fn", "f8e5m2", "f8e4m3fn/f8e5m2", "f8e5m2/f8e4m3fn"}
+  assert "bf16" in dots and float(found.group(2)) > 0
+  assert dtypes <= set(dots) & quantized if quantization else not set(dots) & quantized
 
 
 # ---------------------------------------------------------------------------------------------- the file
