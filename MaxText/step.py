@@ -294,7 +294,9 @@ def tiled_cross_entropy(config: Config, params, hidden_BLE, targets_BL, mask_BL)
   def chunks(x):  # [batch, length, ...] -> [n, batch, length / n, ...]
     return jnp.moveaxis(x.reshape(b, length // n, n, *x.shape[2:]), 2, 0)
 
-  head, head_params = models.OutputHead(config), models.OutputHead.params(params)
+  # The Transformer's quantization reaches only its own call: the head applied here is quantized as it would be there.
+  head = quantizations.quantize_model(models.OutputHead(config), config)
+  head_params = models.OutputHead.params(params)
 
   @jax.checkpoint
   def chunk_loss(hidden, targets, mask):
@@ -429,6 +431,7 @@ def build(config: Config, devices=None) -> Parts:
       f"quantization={config.quantization} quantizes weights for inference (decode.py, serve.py); train with "
       "int8, fp8 or fp8_full, or without quantization"
     )
+  quantizations.check_devices(config, mesh.devices.flat[0])
   model = quantizations.quantize_model(models.Transformer(config, mesh), config)
   if config.lora_rank > 0 and not jax.tree_util.tree_leaves(lora.partition(state_lib.abstract_params(config))[0]):
     raise ConfigError(

@@ -111,10 +111,25 @@ def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, 
   return jnp.where(in_groups, y, 0)[:rows]
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str, megablox: bool = False) -> jax.Array:
-  """x [rows, k] x w [groups, k, n] by groups of rows (see the module docstring), for devices of `platform`."""
+def tiled_grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) -> jax.Array:
+  """tiled_grouped_matmul as one batched jax.lax.dot_general over the tiles, differentiated by JAX (the tiles' gather
+  and scatter transposed) instead of by hand: the form quantized training takes, since qwix intercepts the
+  dot_general and brings its quantized backward pass (the custom VJP would keep the backward's matmuls in float)."""
+  tiles = Tiles.of(group_sizes, x.shape[0], tile)
+  dims = (((2,), (1,)), ((0,), (0,)))  # tile t: [tile, k] . [k, n]
+  y = jax.lax.dot_general(tiles.gather(x, tile), jnp.take(w, tiles.group, axis=0), dims, preferred_element_type=jnp.float32)
+  return tiles.scatter(y.astype(x.dtype), x.shape[0])
+
+
+def grouped_matmul(
+  x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str, megablox: bool = False, quantized: bool = False
+) -> jax.Array:
+  """x [rows, k] x w [groups, k, n] by groups of rows (see the module docstring), for devices of `platform`.
+  quantized: qwix's quantized training intercepts this matmul (layers/quantizations.py), so it must be one of the ops
+  qwix quantizes: ragged_dot, or on the CPU tiled_grouped_dot; megablox's kernel is none (quantizations refuses it)."""
   if platform == "cpu":
-    return tiled_grouped_matmul(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
+    tile = tile_rows(x.shape[0], w.shape[0])
+    return (tiled_grouped_dot if quantized else tiled_grouped_matmul)(x, w, group_sizes, tile)
   if platform == "tpu" and megablox:
     return megablox_grouped_matmul(x, w, group_sizes)
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)

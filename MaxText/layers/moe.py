@@ -130,6 +130,17 @@ def _plus(y: jax.Array, bias: jax.Array | None) -> jax.Array:
   return y if bias is None else y + bias
 
 
+def expert_matmul(x: jax.Array, kernel_NIO: jax.Array) -> jax.Array:
+  """Each expert's rows times its kernel [experts, in, out]: x [experts, ..., in] -> [experts, ..., out], or x
+  [tokens, in], the same rows for every expert (the dense path) -> [experts, tokens, out]. One dot_general, the op
+  quantization intercepts (RoutedExperts)."""
+  if x.ndim == 2:
+    return jnp.moveaxis(jax.lax.dot_general(x, kernel_NIO, (((1,), (1,)), ((), ()))), 1, 0)
+  rows = x.reshape(x.shape[0], -1, x.shape[-1])
+  y = jax.lax.dot_general(rows, kernel_NIO, (((2,), (1,)), ((0,), (0,))))
+  return y.reshape(*x.shape[:-1], kernel_NIO.shape[-1])
+
+
 class MoeBlock(nn.Module):
   """The MoE feed-forward block, x [batch, length, embed] -> [batch, length, embed]: the router and the routed
   experts, plus `shared_experts` always-on experts (one MLP of shared_experts * moe_mlp_dim, as DeepSeek's).
@@ -193,16 +204,38 @@ class MoeBlock(nn.Module):
     if cfg.routed_bias and cfg.routed_bias_update_rate > 0:  # the loads the bias update balances (train.py)
       self.sow("intermediates", "moe_expert_counts", jnp.zeros((n,), jnp.int32).at[experts_TK.ravel()].add(1))
 
-    y = self.experts(x_BSE.astype(dtype), weights_TK, experts_TK, self.expert_weights())
+    experts = RoutedExperts(cfg, self.mesh, self.scale_expert_inputs, name="experts")
+    y, dropped = experts(x_BSE.astype(dtype), weights_TK, experts_TK, self.expert_weights())
+    if dropped is not None:
+      self.sow("intermediates", "moe_dropped", dropped)
     if cfg.shared_experts > 0:
       y = y + MlpBlock(cfg, self.mesh, mlp_dim=cfg.shared_experts * cfg.moe_mlp_dim, name="shared")(x_BSE)
     y = sharding.constrain(y, (ct.BATCH, ct.LENGTH, ct.ACT_EMBED), self.mesh, cfg)
     return checkpoint_name(y, "mlpwo")
 
-  def experts(self, x_BSE, weights_TK, experts_TK, w: ExpertWeights) -> jax.Array:
-    """The routed experts' outputs summed with the router's weights, [batch, length, embed]: by the path the
-    config chooses (see the module's docstring). An expert's biases (w.wi_bias, w.wo_bias) join its projections on
-    every path, so a dropped assignment adds nothing, its bias neither."""
+
+class RoutedExperts(nn.Module):
+  """The routed experts of an MoeBlock: its tokens to their experts, the experts' gated MLPs, and their outputs back
+  to the tokens, summed with the router's weights (see the module's docstring for the three ways). No parameters of
+  its own (MoeBlock passes its weights in): a module so its matmuls have a module path of their own, mlp/experts,
+  which quantization (layers/quantizations.py) names. Each expert matmul is a jax.lax.dot_general (expert_matmul,
+  the CPU's grouped matmul) or jax.lax.ragged_dot, the ops qwix quantizes; the dispatch and combine products are
+  one-hot gathers and weighted sums, jnp.einsum, which quantization leaves alone.
+
+  Quantized, the weights are operands, not parameters, of this module: qwix calibrates them by
+  act_quantization_calibration_method, and its ragged_dot (GPU, TPU) by absmax always. The scales are those of what
+  each device computes: on the dropless path under a mesh, its own rows and its shard of the weights, so a sharded
+  run's experts quantize with other scales than one device's (the CPU's tiles of rows, too: one scale per tile)."""
+
+  config: Config
+  mesh: jax.sharding.Mesh | None = None
+  scale_expert_inputs: bool = False  # MoeBlock's
+
+  def __call__(self, x_BSE, weights_TK, experts_TK, w: ExpertWeights) -> tuple[jax.Array, jax.Array | None]:
+    """(The routed experts' outputs summed with the router's weights, [batch, length, embed]; on the capacity path
+    the number of assignments dropped, else None), by the path the config chooses (see the module's docstring). An
+    expert's biases (w.wi_bias, w.wo_bias) join its projections on every path, so a dropped assignment adds nothing,
+    its bias neither."""
     if self.scale_expert_inputs:  # Llama 4: x * w through the expert, whose output gets weight 1 (top-1 routing)
       x_BSE = x_BSE * weights_TK.reshape(*x_BSE.shape[:2], 1).astype(x_BSE.dtype)
       weights_TK = jnp.ones_like(weights_TK)
@@ -212,39 +245,41 @@ class MoeBlock(nn.Module):
     b, s, e = x_BSE.shape
     if cfg.capacity_factor > 0:
       dispatch_BSKNC, dropped = capacity_masks(experts_TK.reshape(b, s, k), n, expert_capacity(cfg, s))
-      self.sow("intermediates", "moe_dropped", dropped)
       combine_BSNC = jnp.einsum("BSKNC,BSK->BSNC", dispatch_BSKNC, weights_TK.reshape(b, s, k)).astype(dtype)
       x_NBCE = jnp.einsum("BSNC,BSE->NBCE", jnp.sum(dispatch_BSKNC, axis=2).astype(dtype), x_BSE)
       per_slot = lambda bias: None if bias is None else bias[:, None, None]  # noqa: E731
-      hidden = self.gated(x_NBCE, w, lambda x, k, b: _plus(jnp.einsum("NBCE,NEM->NBCM", x, k), per_slot(b)))
-      y_NBCE = _plus(jnp.einsum("NBCM,NME->NBCE", hidden, w.wo), per_slot(w.wo_bias))
-      return jnp.einsum("NBCE,BSNC->BSE", y_NBCE, combine_BSNC)
+      hidden = self.gated(x_NBCE, w, lambda x, k, b: _plus(expert_matmul(x, k), per_slot(b)))
+      y_NBCE = _plus(expert_matmul(hidden, w.wo), per_slot(w.wo_bias))
+      return jnp.einsum("NBCE,BSNC->BSE", y_NBCE, combine_BSNC), dropped
     x_TE = x_BSE.reshape(b * s, e)
     if not cfg.sparse_matmul:
       gates_TN = jnp.sum(jax.nn.one_hot(experts_TK, n, dtype=jnp.float32) * weights_TK[..., None], axis=1)
       per_token = lambda bias: None if bias is None else bias[:, None]  # noqa: E731
-      hidden = self.gated(x_TE, w, lambda x, k, b: _plus(jnp.einsum("TE,NEM->NTM", x, k), per_token(b)))
-      y_NTE = _plus(jnp.einsum("NTM,NME->NTE", hidden, w.wo), per_token(w.wo_bias))
-      return jnp.einsum("NTE,TN->TE", y_NTE, gates_TN.astype(dtype)).reshape(b, s, e)
+      hidden = self.gated(x_TE, w, lambda x, k, b: _plus(expert_matmul(x, k), per_token(b)))
+      y_NTE = _plus(expert_matmul(hidden, w.wo), per_token(w.wo_bias))
+      return jnp.einsum("NTE,TN->TE", y_NTE, gates_TN.astype(dtype)).reshape(b, s, e), None
     weights_BSK, experts_BSK = weights_TK.reshape(b, s, k), experts_TK.reshape(b, s, k)
     y_BSE = self.dropless(x_BSE, weights_BSK, experts_BSK, w._replace(wo_bias=None))
     if w.wo_bias is None:
-      return y_BSE
+      return y_BSE, None
     # sum_k weight_k * wo_bias[expert_k], added here rather than per sorted row: under tensor parallelism each
     # device's rows give a partial sum over its moe_mlp shard, and a bias added there would be summed once per shard.
     bias_BSKE = jnp.take(w.wo_bias, experts_BSK, axis=0)
-    return y_BSE + jnp.einsum("BSK,BSKE->BSE", weights_BSK.astype(dtype), bias_BSKE)
+    return y_BSE + jnp.einsum("BSK,BSKE->BSE", weights_BSK.astype(dtype), bias_BSKE), None
 
   def dropless(self, x_BSE, weights_BSK, experts_BSK, w: ExpertWeights) -> jax.Array:
     """The dropless path on each device's tokens (under shard_map when there is a mesh): its (token, choice)
     assignments sorted by expert, grouped matmuls, back to token order. With expert parallelism, each device holds
     num_experts / ep experts, and the sorted rows go to the devices holding their experts and come back by
     all-to-all over the expert axis; with tensor parallelism, the partial sums over the moe_mlp shards are added.
-    `w` has no wo_bias (MoeBlock.experts adds it)."""
+    `w` has no wo_bias (__call__ adds it)."""
+    from MaxText.layers import quantizations  # here: it imports the decoder registry, which imports this module
+
     cfg, mesh = self.config, self.mesh
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    plan = DevicePlan(cfg, self.gated, platform, quantized=quantizations.quantizes(cfg, "moe"))
     if mesh is None:
-      return DevicePlan(cfg, self.gated, platform)(x_BSE, weights_BSK, experts_BSK, w)
+      return plan(x_BSE, weights_BSK, experts_BSK, w)
     # Token dimensions that do not split evenly (a decode step's length of 1 over sequence shards) stay whole.
     token_spec = _fitting(sharding.logical_to_mesh_spec((ct.BATCH, ct.LENGTH, None), cfg), x_BSE.shape, mesh)
     wi_spec = sharding.logical_to_mesh_spec((ct.EXP, None, ct.MLP), cfg)
@@ -253,7 +288,7 @@ class MoeBlock(nn.Module):
     count = len(w.wi)
     w_spec = ExpertWeights([wi_spec] * count, wo_spec, None if w.wi_bias is None else [bias_spec] * count, None)
     exp_axes, mlp_axes = _axes(wi_spec[0]), _axes(wi_spec[2])
-    plan = DevicePlan(cfg, self.gated, platform, exp_axes, math.prod(mesh.shape[a] for a in exp_axes), mlp_axes)
+    plan = dataclasses.replace(plan, exp_axes=exp_axes, ep=math.prod(mesh.shape[a] for a in exp_axes), mlp_axes=mlp_axes)
     sharded = jax.shard_map(
       plan,
       mesh=mesh,
@@ -290,8 +325,9 @@ class DevicePlan:
   over `mlp_axes`."""
 
   config: Config
-  gated: Callable  # MoeBlock.gated
+  gated: Callable  # RoutedExperts.gated
   platform: str  # the devices' platform, which picks the grouped matmul
+  quantized: bool = False  # quantized training reaches the experts (grouped_matmul takes a form qwix intercepts)
   exp_axes: tuple[str, ...] = ()
   ep: int = 1
   mlp_axes: tuple[str, ...] = ()
@@ -306,7 +342,9 @@ class DevicePlan:
     x_AE = jnp.take(x_BSE.reshape(b * s, e), order_A // k, axis=0)
 
     def experts_ffn(rows, group_sizes):
-      matmul = functools.partial(grouped_matmul, platform=self.platform, megablox=self.config.megablox)
+      matmul = functools.partial(
+        grouped_matmul, platform=self.platform, megablox=self.config.megablox, quantized=self.quantized
+      )
       if w.wi_bias is not None:  # each sorted row's expert, by the group sizes (padding rows, past them, the last)
         expert_R = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
         expert_R = jnp.minimum(expert_R, group_sizes.shape[0] - 1)

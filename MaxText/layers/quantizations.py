@@ -15,7 +15,10 @@ rule names, so no layer has a quantized copy.
 experts, normalisation, embedding lookup and attention's own score and value products are never quantized).
 """
 
+import contextlib
 import importlib
+import re
+import traceback
 from collections.abc import Mapping
 
 import flax
@@ -37,15 +40,22 @@ WEIGHT_ONLY = {"int8w": jnp.int8, "int4w": jnp.int4}
 QUANTIZATIONS = ("", *TRAINING, *WEIGHT_ONLY)
 
 # quantization_targets -> the module paths (regular expressions, matched in full against the path of the module
-# that calls dot_general, e.g. "layers/self_attention/query", "layers_3/mlp/wo" unrolled, "layers/layer_1/mlp/wi_0"
-# in a period of layers).
+# that calls dot_general or ragged_dot, e.g. "layers/self_attention/query", "layers_3/mlp/wo" unrolled,
+# "layers/layer_1/mlp/wi_0" in a period of layers). The rules name those two ops only: the attention's score and
+# value products and the experts' dispatch and combine (one-hot gathers) are jnp.einsum, which qwix then leaves alone.
+#   attention: the projections, and fused_qkv's one matmul, which runs in self_attention itself;
+#   mlp: a dense MLP's projections, and fused_mlp's, in mlp itself (an MoE block, also named mlp, has no matmul of its
+#     own: its router is mlp/gate, its experts' matmuls run in moe.RoutedExperts, mlp/experts);
+#   moe: the routed experts (mlp/experts) and the shared ones (mlp/shared, an MLP), never the router (mlp/gate);
+#   head: the untied output projection, in the Transformer or in the loss's vocabulary tiles (models.OutputHead).
 _LAYER = r"(.*/)?"
 TARGETS = {
-  "attention": _LAYER + r"self_attention/[^/]+",
-  "mlp": _LAYER + r"mlp/(wi_\d+|wo)",
-  "moe": _LAYER + r"mlp/(shared/[^/]+|experts)",
+  "attention": _LAYER + r"self_attention(/[^/]+)?",
+  "mlp": _LAYER + r"mlp(/(wi_\d+|wo))?",
+  "moe": _LAYER + r"mlp/(experts|shared(/(wi_\d+|wo))?)",
   "head": r"logits_dense",
 }
+OPS = ("dot_general", "ragged_dot")  # the ops the rules name (see TARGETS)
 KV_QUANT_DTYPES = {"int8": jnp.int8}
 KV_QUANT_AXES = ("dkv", "heads_and_dkv")
 
@@ -66,6 +76,11 @@ def check(values: Mapping) -> None:
   unknown = [t for t in values["quantization_targets"] if t not in TARGETS]
   if unknown:
     raise ConfigError(f"quantization_targets contains {unknown[0]!r}; choose among {', '.join(TARGETS)}")
+  if name and "head" in values["quantization_targets"] and values["logits_via_embedding"]:
+    raise ConfigError(
+      "quantization_targets contains head but logits_via_embedding=true: the tied head is the embedding's "
+      "transpose, which is not quantized; drop head from quantization_targets"
+    )
   group = values["quantization_group_size"]
   if group < 0:
     raise ConfigError(f"quantization_group_size={group} is negative; give 0 (one scale per channel) or a group size")
@@ -97,6 +112,35 @@ def _module_path(config: Config) -> str:
   return "|".join(f"({TARGETS[t]})" for t in config.quantization_targets)
 
 
+def quantizes(config: Config, target: str) -> bool:
+  """Whether training quantizes the matmuls of `target` (a TARGETS key)."""
+  return is_training(config) and target in config.quantization_targets
+
+
+def check_devices(config: Config, device) -> None:
+  """Refuses, in one line naming the key, quantized training that `device`'s platform cannot run as asked:
+  - fp8 on a GPU below compute capability 8.9 (Ada, Hopper and later have fp8 matmuls). The CPU converts fp8 dots
+    to float; every TPU generation's compiler accepts them (libtpu 0.0.42.1 compiles f8 dots for v2 to v6e).
+  - MoE experts by megablox on TPU: its Pallas kernel takes no quantized operands, and qwix reaches no matmul inside
+    a Pallas call, so the experts would stay in float unseen; ragged_dot (megablox=false) is what qwix quantizes."""
+  if not is_training(config):
+    return
+  if config.quantization.startswith("fp8") and device.platform == "gpu":
+    capability = getattr(device, "compute_capability", "0.0")
+    if tuple(int(n) for n in capability.split(".")) < (8, 9):
+      raise ConfigError(
+        f"quantization={config.quantization} needs fp8 matmuls, which {device.device_kind} (compute capability "
+        f"{capability}) does not have (8.9 or later: Ada, Hopper, Blackwell); use quantization=int8 or none"
+      )
+  if quantizes(config, "moe") and config.num_experts > 1 and config.sparse_matmul and config.capacity_factor <= 0:
+    if device.platform == "tpu" and config.megablox:
+      raise ConfigError(
+        f"megablox=true with quantization={config.quantization} and moe in quantization_targets: the megablox kernel "
+        "takes no quantized operands; set megablox=false (XLA's ragged_dot, which qwix quantizes), or drop moe from "
+        "quantization_targets"
+      )
+
+
 def training_rules(config: Config) -> list:
   qwix = _qwix()
   weight, act, bwd = TRAINING[config.quantization]
@@ -105,7 +149,7 @@ def training_rules(config: Config) -> list:
   return [
     qwix.QtRule(
       module_path=_module_path(config),
-      op_names=("dot_general",),
+      op_names=OPS,
       weight_qtype=weight,
       act_qtype=act,
       bwd_qtype=bwd,
@@ -117,10 +161,18 @@ def training_rules(config: Config) -> list:
   ]
 
 
+_READ_WHOLE = r"(.*/)?wkv_b"  # weights a layer reads whole in some mode (see weight_only_rules)
+
+
 def weight_only_rules(config: Config) -> list:
+  """qwix's PTQ rule: the targets' weights in WEIGHT_ONLY's type, one scale per output channel or per
+  quantization_group_size inputs of one (qwix's tile_size, on the innermost contraction axis). Only dot_general:
+  qwix 0.1.8's PtqProvider has no ragged_dot, so MoE experts that run on ragged_dot keep their float weights; nor
+  can a quantized weight be read whole (DenseGeneral(weights_only=True)), so the one a decode step reads so, MLA's
+  wkv_b (folded into the query and the output), stays float too."""
   return [
     _qwix().QuantizationRule(
-      module_path=_module_path(config),
+      module_path=rf"(?!{_READ_WHOLE}$)({_module_path(config)})",
       op_names=("dot_general",),
       weight_qtype=WEIGHT_ONLY[config.quantization],
       tile_size=config.quantization_group_size or None,
@@ -175,3 +227,111 @@ def _check_group(path: tuple, shape: tuple, how) -> None:
         f"quantization_group_size={size} does not divide {'/'.join(map(str, path))}'s input dimension "
         f"{shape[axis]}; give a divisor of it, or 0 for one scale per channel"
       )
+
+
+# ---------------------------------------------------------------------------------------------- serving int8w / int4w
+# The keys that shape a quantized params checkpoint's arrays: a load must give the values it was saved with.
+SAVED_KEYS = ("quantization", "quantization_group_size", "quantization_targets")
+
+
+def is_quantized(params) -> bool:
+  """Whether `params` holds weight-only quantized leaves (quantize_params' output, or a quantized checkpoint's)."""
+  ptq = _qwix("_src.providers.ptq")
+  leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, ptq.WithAux))
+  return any(isinstance(leaf, ptq.WithAux) for leaf in leaves)
+
+
+def unsplit_scales(boxed):
+  """The weight-only model's boxed params (its init under jax.eval_shape) with each scale's reduced axes unsplit.
+  A scale keeps the logical axis of every output channel it has one value per (split like the weight's, so each
+  device dequantizes its own columns), but not of an axis it reduces: a contraction axis (size 1; qwix already
+  drops those names) or a tiled one (one value per group, a count a mesh axis need not divide; small, so replicated)."""
+  ptq = _qwix("_src.providers.ptq")
+
+  def unsplit(leaf):
+    if not isinstance(leaf, ptq.WithAux):
+      return leaf
+    qvalue, scale = leaf.array.qvalue, leaf.array.scale
+    names = tuple(
+      name if s == q else None for name, s, q in zip(scale.names, scale.value.shape, qvalue.value.shape, strict=True)
+    )
+    return leaf.replace(array=leaf.array.replace(scale=scale.replace(names=names)))
+
+  return jax.tree_util.tree_map(unsplit, boxed, is_leaf=lambda x: isinstance(x, ptq.WithAux))
+
+
+@contextlib.contextmanager
+def group_size_errors(config: Config):
+  """qwix's error for a group (tile) that does not divide the input axis of a weight it quantizes, raised while the
+  weight-only model initialises, as the one-line ConfigError naming quantization_group_size and the weight."""
+  try:
+    yield
+  except ValueError as e:
+    found = re.match(r"\((.*?),?\) cannot be tiled as \{(\d+): (\d+)\}", str(e))
+    if found is None:
+      raise
+    shape = tuple(int(n) for n in found[1].split(","))
+    axis = int(found[2])
+    modules = [
+      frame.f_locals["self"]
+      for frame, _ in traceback.walk_tb(e.__traceback__)
+      if isinstance(frame.f_locals.get("self"), nn.Module) and frame.f_locals["self"].scope is not None
+    ]
+    weight = f"{'/'.join(modules[-1].scope.path)}'s kernel" if modules else f"a weight of shape {shape}"
+    raise ConfigError(
+      f"quantization_group_size={config.quantization_group_size} does not divide the input dimension {shape[axis]} "
+      f"of {weight}; give a divisor of every quantized matmul's input dimensions, or 0 for one scale per channel"
+    ) from None
+
+
+def quantize_on_mesh(params, abstract, shardings, config: Config):
+  """quantize_params of `params` (float, on the mesh) into `shardings` (the weight-only params' layout), on the
+  devices where each shard lives: no host ever holds the whole tree."""
+  return jax.jit(lambda p: quantize_params(p, abstract, config), out_shardings=shardings)(params)
+
+
+def widened(params):
+  """Quantized params with int4 values widened to int8: the same integers (qwix dequantizes either), as a checkpoint
+  stores them (Orbax and the checksums read whole bytes; restoring casts them back to the layout's int4)."""
+  return jax.tree_util.tree_map(lambda x: x.astype(jnp.int8) if x.dtype == jnp.int4 else x, params)
+
+
+def settings(config: Config) -> dict:
+  """What a quantized params checkpoint records beside its arrays (SAVED_KEYS, and the calibration for the record)."""
+  return {
+    "quantization": config.quantization,
+    "quantization_group_size": config.quantization_group_size,
+    "quantization_targets": list(config.quantization_targets),
+    "weight_quantization_calibration_method": config.weight_quantization_calibration_method,
+  }
+
+
+def check_saved(config: Config, recorded: dict | None, where: str) -> None:
+  """Refuses, in one line naming the key, to load a checkpoint as what it is not: quantized parameters (`recorded`,
+  their settings) without checkpoint_is_quantized or with other SAVED_KEYS, float ones (None) with it."""
+  if recorded is None:
+    if config.checkpoint_is_quantized:
+      raise ConfigError(
+        f"checkpoint_is_quantized=true but {where} holds float parameters (no quantization record beside them); "
+        f"drop checkpoint_is_quantized to quantize them as they load, or give a checkpoint written by "
+        "save_quantized_params_path"
+      )
+    return
+  saved = " ".join(f"{key}={_shown(recorded.get(key))}" for key in SAVED_KEYS)
+  if not config.checkpoint_is_quantized:
+    raise ConfigError(
+      f"checkpoint_is_quantized=false but {where} holds weight-only quantized parameters (saved by "
+      f"save_quantized_params_path with {saved}); load them with checkpoint_is_quantized=true {saved}, or give the "
+      "float checkpoint they were quantized from"
+    )
+  for key in SAVED_KEYS:
+    value = list(getattr(config, key)) if key == "quantization_targets" else getattr(config, key)
+    if recorded.get(key) != value:
+      raise ConfigError(
+        f"{key}={_shown(value)} but {where} was saved with {key}={_shown(recorded.get(key))}; load it with {saved}"
+      )
+
+
+def _shown(value) -> str:
+  """A value as it is given on the command line (a list as YAML: quantization_targets='[attention, mlp]')."""
+  return f"'[{', '.join(map(str, value))}]'" if isinstance(value, list | tuple) else str(value)

@@ -328,6 +328,29 @@ def check_rl_demo(request, tmp_path):
   assert "eval before training" in text
 
 
+def check_quantized_training(request, tmp_path):
+  """quantized_training_demo.sh --quick (about 50 s): bfloat16 (two seeds), int8, fp8 and fp8_full for 8 steps;
+  the printed losses are the metrics files', and the differences and the margin are recomputed from them."""
+  out = tmp_path / "quantized"
+  text = run_script(["end_to_end/quantized_training_demo.sh", "--quick", str(out)])
+  losses = {name: float(x) for name, x in re.findall(rf"^eval loss (\w+): ({NUMBER})$", text, re.M)}
+  assert list(losses) == ["bf16", "bf16_seed1", "int8", "fp8", "fp8_full"], text[-3000:]
+  assert_finite(*losses.values())
+  for name, loss in losses.items():
+    with open(out / f"{name}.jsonl", encoding="utf-8") as f:
+      (record,) = [r for r in map(json.loads, f) if "eval/avg_loss" in r]
+    assert abs(record["eval/avg_loss"] - loss) <= 5e-7 and record["step"] == 7, (name, record)
+  ((spread, factor, floor, margin),) = numbers(
+    rf"seed spread \(bf16 seed 1 - seed 0\): ({NUMBER}); margin max\(({NUMBER}) x spread, ({NUMBER})\) = ({NUMBER})", text
+  )
+  # Printed to 6 decimals from the unrounded losses: 1e-6 of slack per printed figure.
+  assert abs(spread - abs(losses["bf16_seed1"] - losses["bf16"])) <= 2e-6
+  assert abs(margin - max(factor * spread, floor)) <= 2e-6 * factor and floor > 0
+  for name in ("int8", "fp8", "fp8_full"):
+    ((difference, shown),) = numbers(rf"difference {name} - bf16: ({NUMBER}) \(within the margin ({NUMBER})\)", text)
+    assert abs(difference - (losses[name] - losses["bf16"])) <= 2e-6 and abs(difference) <= shown == margin
+
+
 SHORT_MODES = {
   "end_to_end/quickstart_demo.sh": check_quickstart,
   "end_to_end/plot_metrics.py": check_plot_metrics,
@@ -341,6 +364,7 @@ SHORT_MODES = {
   "end_to_end/hf_import_memory.py": check_hf_import_memory,
   "end_to_end/benchmark_rl.py": check_benchmark_rl,
   "end_to_end/rl_demo.sh": check_rl_demo,
+  "end_to_end/quantized_training_demo.sh": check_quantized_training,
 }
 
 
