@@ -20,6 +20,10 @@ says so. Likewise a data state without its seal in a checkpoint with checksums (
 damaged. On resume a checkpoint that cannot be read or fails verification is skipped, with the reason in the log,
 for the newest one that verifies; a damaged load_parameters_path or load_full_state_path is an error.
 
+Weight-only quantized parameters (decode.py's save_quantized_params_path, a params checkpoint written into a folder
+that holds none yet) keep their quantization settings beside the arrays (`<step>/quantization`, committed with
+them); they load only with checkpoint_is_quantized=true and the same settings, and a float checkpoint never does.
+
 A local save never starts on a disk that cannot hold it (check_room); one that runs out of space all the same
 ends the run with one line naming the checkpoint to resume from (full_disk_stops_the_run).
 """
@@ -41,12 +45,13 @@ import numpy as np
 
 from MaxText import integrity, lora, metrics, storage
 from MaxText.common_types import Config, ConfigError, TrainingError
-from MaxText.layers import models
+from MaxText.layers import models, quantizations
 from MaxText.state import StateLayout, TrainState, init_adapters, init_state, params_layout, state_from_params
 
 ITEM = "items"
 DATA_ITEM = "data"
 CHECKSUM_ITEM = "checksums"  # integrity.record of the items, as JSON (Orbax's JsonSave writes it to a file "metadata")
+QUANTIZATION_ITEM = "quantization"  # a quantized params checkpoint's quantizations.settings, as JSON (likewise)
 
 
 class _DataSnapshot:
@@ -142,19 +147,60 @@ def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
   return manager.save(step, args=ocp.args.Composite(**items), force=True)
 
 
-def save_params(directory: str, params) -> str:
-  """Writes `params` as checkpoint 0 of `directory`, a params-only checkpoint with its checksums; returns the path
-  of its items folder (what load_parameters_path takes)."""
+def save_params(directory: str, params, quantization: dict | None = None) -> str:
+  """Writes `params` as checkpoint 0 of `directory`, a params-only checkpoint with its checksums (and with
+  `quantization`, the settings of quantized params, beside them: one commit, so a save cut short leaves neither);
+  returns the path of its items folder (what load_parameters_path takes)."""
   import orbax.checkpoint as ocp
 
   items = {
     ITEM: ocp.args.StandardSave({"params": params}),
     CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record({"params": params})),
   }
-  with ocp.CheckpointManager(directory, item_names=(ITEM, CHECKSUM_ITEM)) as manager:
+  if quantization is not None:
+    items[QUANTIZATION_ITEM] = ocp.args.JsonSave(quantization)
+  options = ocp.CheckpointManagerOptions(cleanup_tmp_directories=True)  # an earlier save's leftovers, cut short
+  with ocp.CheckpointManager(directory, options=options, item_names=tuple(items)) as manager:
     manager.save(0, args=ocp.args.Composite(**items))
     manager.wait_until_finished()
   return storage.join(directory, "0", ITEM)
+
+
+def check_new_params_dir(key: str, directory: str) -> None:
+  """ConfigError when `directory` (where save_params would write) already holds a checkpoint: none is overwritten."""
+  if storage.isdir(directory) and any(name.isdigit() for name in storage.listdir(directory)):
+    raise ConfigError(f"{key}={directory} already holds a checkpoint; give a new folder (none is ever overwritten)")
+
+
+def quantized_params_dir(config: Config) -> str:
+  """save_quantized_params_path, absolute (Orbax takes no relative path)."""
+  path = storage.expand(config.save_quantized_params_path)
+  return path if storage.is_remote(path) else os.path.abspath(path)
+
+
+def save_quantized_params(config: Config, params) -> str:
+  """Writes weight-only quantized `params` to save_quantized_params_path (a params checkpoint with their
+  quantizations.settings beside them, which loading with checkpoint_is_quantized checks); returns its items path."""
+  directory = quantized_params_dir(config)
+  check_new_params_dir("save_quantized_params_path", directory)
+  return save_params(directory, quantizations.widened(params), quantizations.settings(config))
+
+
+def _saved_quantization(items: str) -> dict | None:
+  """The quantizations.settings recorded beside a checkpoint's items folder; None for float parameters."""
+  path = storage.join(storage.dirname(items), QUANTIZATION_ITEM, "metadata")
+  if not storage.exists(path):
+    return None
+  try:
+    return json.loads(storage.read_text(path))
+  except (OSError, ValueError) as e:
+    raise Damaged(storage.dirname(items), f"its quantization record cannot be read ({_error_text(e)})") from None
+
+
+def _check_quantization(config: Config, path: str) -> None:
+  """Quantized parameters load only as such, with the settings they were saved with; float ones only as float."""
+  where = f"load_parameters_path={path}" if config.load_parameters_path else f"checkpoint {path}"
+  quantizations.check_saved(config, _saved_quantization(path), where)
 
 
 def write_checksums(step_dir: str, recorded: dict) -> None:
@@ -476,6 +522,7 @@ def check_start_paths(config: Config, layout: StateLayout) -> None:
     check_compatible(items_path("load_full_state_path", config.load_full_state_path), layout.abstract)
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
+    _check_quantization(config, path)
     check_compatible(path, {"params": _start_params(config, layout, path)})
   trained_adapters = config.hf_lora_adapter_path or (config.load_parameters_path and _stores_adapters(path))
   compares = config.use_dpo or (config.use_rl and config.grpo_beta > 0)
@@ -534,6 +581,7 @@ def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
   import orbax.checkpoint as ocp
 
   path = params_path(config)
+  _check_quantization(config, path)
   check_compatible(path, {"params": abstract_params})
   target = {"params": jax.tree_util.tree_map(lambda _: 0, abstract_params)}
   args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
@@ -549,17 +597,36 @@ def restore_host_params(config: Config, abstract_params) -> tuple[dict, str]:
 def restore_params(config: Config, abstract_params) -> tuple[dict, str]:
   """Parameters for decoding or export, from params_path(config); returns (params, where they came from)."""
   path = params_path(config)
+  _check_quantization(config, path)
   check_compatible(path, {"params": abstract_params})
   return _restore_tree(path, {"params": abstract_params})["params"], path
 
 
 def load_params(config: Config, mesh, dtype) -> tuple[dict, str]:
   """The parameters of params_path(config), sharded on `mesh` and cast to `dtype` (decoding, benchmarks);
-  returns (params, where they came from)."""
+  returns (params, where they came from). With checkpoint_is_quantized, the weight-only quantized parameters
+  save_quantized_params wrote, restored as they are (their floats, scales included, cast to `dtype`)."""
+  if config.checkpoint_is_quantized:
+    return _load_quantized_params(config, mesh, dtype)
   abstract, shardings = params_layout(models.Transformer(config, mesh), config, mesh)
   params, where = restore_params(config, abstract)
   cast = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype), p), out_shardings=shardings)
   return cast(params), where
+
+
+def _load_quantized_params(config: Config, mesh, dtype) -> tuple[dict, str]:
+  path = params_path(config)
+  _check_quantization(config, path)
+  model = quantizations.quantize_model(models.Transformer(config, mesh), config)
+  abstract, _ = params_layout(model, config, mesh)
+
+  def in_dtype(x):  # the floats in `dtype`; the quantized values stay integers
+    floating = jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    return jax.ShapeDtypeStruct(x.shape, dtype if floating else x.dtype, sharding=x.sharding)
+
+  abstract = jax.tree_util.tree_map(in_dtype, abstract)
+  check_compatible(path, {"params": abstract})
+  return _restore_tree(path, {"params": abstract})["params"], path
 
 
 @dataclasses.dataclass(frozen=True)

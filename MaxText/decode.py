@@ -7,6 +7,10 @@ compiled generate loop, per_device_batch_size x devices slots, refilled as promp
 prints ``Input `PROMPT` -> `OUTPUT` `` per prompt (control characters escaped, see `visible`), then the prefill
 time, the time per generated token and tokens/s. autoregressive_decode_assert=TEXT exits 1 unless every output
 as printed starts with TEXT.
+
+quantization=int8w / int4w decodes with weight-only quantized parameters (quantized as they load, or loaded so with
+checkpoint_is_quantized=true); with save_quantized_params_path=DIR it writes them there as a params checkpoint
+instead (DIR/0/items, what load_parameters_path then takes with checkpoint_is_quantized=true) and decodes nothing.
 """
 
 import sys
@@ -16,10 +20,11 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
 
-from MaxText import cli, storage
+from MaxText import checkpointing, cli, sharding, storage
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.inference import prompts as prompts_lib
+from MaxText.layers.linears import DTYPES
 
 
 def read_prompts(config: Config) -> list[str]:
@@ -53,7 +58,22 @@ def visible(text: str) -> str:
   return "".join(repr(c)[1:-1] if (unicodedata.category(c) == "Cc" and c != "\n") or c in _BIDI else c for c in text)
 
 
+def save_quantized(config: Config) -> int:
+  """save_quantized_params_path: the parameters quantized once (from weight_dtype, not a narrower decoding dtype)
+  and written as a params checkpoint with their quantization settings."""
+  directory = checkpointing.quantized_params_dir(config)
+  checkpointing.check_new_params_dir("save_quantized_params_path", directory)  # before any work
+  cli.check_writable("save_quantized_params_path", directory, folder=True)
+  mesh = sharding.create_mesh(config)
+  params, where = checkpointing.load_params(config, mesh, DTYPES[config.weight_dtype])
+  path = checkpointing.save_quantized_params(config, engine_lib.serving_params(config, mesh, params))
+  cli.log(f"Wrote the {config.quantization} parameters of {where} to {path}")
+  return 0
+
+
 def decode(config: Config) -> int:
+  if config.save_quantized_params_path:
+    return save_quantized(config)
   engine_lib.check(config)
   prompts = read_prompts(config)
   max_tokens = config.max_target_length - config.max_prefill_predict_length

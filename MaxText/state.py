@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from MaxText import common_types, lora, sharding
 from MaxText.common_types import Config
-from MaxText.layers import models
+from MaxText.layers import models, quantizations
 
 
 @struct.dataclass
@@ -122,8 +122,14 @@ def _abstract(boxed, mesh: Mesh, config: Config):
 
 
 def params_layout(model: nn.Module, config: Config, mesh: Mesh):
-  """(abstract params with shardings, their shardings): the parameters alone, for decoding."""
-  return _abstract(jax.eval_shape(lambda rng: init_params(model, config, rng), jax.random.key(0)), mesh, config)
+  """(abstract params with shardings, their shardings): the parameters alone, for decoding. Of a weight-only
+  quantized model (quantizations.quantize_model with int8w / int4w), its quantized params: each weight a value laid
+  out like the float weight and a scale with its reduced axes unsplit (quantizations.unsplit_scales)."""
+  with quantizations.group_size_errors(config):
+    boxed = jax.eval_shape(lambda rng: init_params(model, config, rng), jax.random.key(0))
+  if quantizations.is_weight_only(config):
+    boxed = quantizations.unsplit_scales(boxed)
+  return _abstract(boxed, mesh, config)
 
 
 def abstract_params(config: Config) -> dict:

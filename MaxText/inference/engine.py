@@ -33,13 +33,13 @@ import numpy as np
 from flax import struct
 from jax.experimental import multihost_utils
 
-from MaxText import checkpointing, sharding
+from MaxText import checkpointing, sharding, state
 from MaxText import common_types as ct
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference import pages as pages_lib
 from MaxText.inference.sampling import Sampling, sample_rows
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.layers import decoders, kv_cache, models
+from MaxText.layers import decoders, kv_cache, models, quantizations
 from MaxText.layers.linears import DTYPES
 
 MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
@@ -188,6 +188,22 @@ def params_dtype(config: Config, mesh: jax.sharding.Mesh):
   return dtype if jnp.finfo(dtype).bits < jnp.finfo(weight).bits else weight
 
 
+def serving_params(config: Config, mesh: jax.sharding.Mesh, params):
+  """`params` as the engine's models read them: with int8w / int4w, float ones quantized once, on the devices
+  into the weight-only layout (state.params_layout of the quantized model), and quantized ones (loaded with
+  checkpoint_is_quantized) as they are; without weight-only quantization, `params` themselves.
+
+  On CPU int4 values are kept widened to int8 (the same integers): jax 0.10's CPU arrays of int4 carry another
+  memory layout than its compiled programs ask for, so the engine's executables (donating the KV pool) refuse them."""
+  if params is None or not quantizations.is_weight_only(config):
+    return params
+  if not quantizations.is_quantized(params):
+    model = quantizations.quantize_model(models.Transformer(config, mesh), config)
+    abstract, shardings = state.params_layout(model, config, mesh)
+    params = quantizations.quantize_on_mesh(params, abstract, shardings, config)
+  return quantizations.widened(params) if mesh.devices.flat[0].platform == "cpu" else params
+
+
 def _keys(seeds: jax.Array) -> jax.Array:
   """seeds [rows, 2] uint32 (a 64-bit seed's low and high halves) -> typed PRNG keys [rows]."""
   return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
@@ -227,7 +243,8 @@ class Engine:
   ):
     check(config)
     cfg = self.config = config
-    self.mesh, self.params = mesh, params
+    self.mesh = mesh
+    self.params = serving_params(cfg, mesh, params)
     self.eos_id, self.pad_id, self.num_tokens = eos_id, pad_id, num_tokens
     self.detokenize = detokenize
     self.max_queue = max_queue
@@ -246,8 +263,10 @@ class Engine:
     self._zeros = None
     self.chunk = cfg.prefill_chunk_size if cfg.use_chunked_prefill else self.max_prompt_length
     self.default_sampling = Sampling.from_config(cfg)
-    self._prefill_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_PREFILL)
-    self._step_model = models.Transformer(cfg, mesh, ct.MODEL_MODE_AUTOREGRESSIVE)
+    # With `quantization`, qwix's model: int8w / int4w read quantized weights, int8 / fp8 / fp8_full quantize the
+    # float ones in each matmul as training does (the same numerics as the train step's forward pass).
+    self._prefill_model = quantizations.quantize_model(models.Transformer(cfg, mesh, ct.MODEL_MODE_PREFILL), cfg)
+    self._step_model = quantizations.quantize_model(models.Transformer(cfg, mesh, ct.MODEL_MODE_AUTOREGRESSIVE), cfg)
     self.pool = self._empty_pool(num_pages)
     batch = sharding.logical_sharding((ct.CACHE_BATCH,), mesh, cfg).spec
     split = batch[0] if batch else None
@@ -301,11 +320,16 @@ class Engine:
   def _empty_pool(self, num_pages: int):
     """A pool of zeros; its program is compiled once (load() allocates the pool again after each release())."""
     if self._zeros is None:
+      # What a prefill writes of one token, as the pool stores it (kv_cache.stored: int8 and scales, quantized).
       shapes = jax.eval_shape(
-        lambda p: self._prefill_model.apply({"params": p}, *(jnp.zeros((1, 1), jnp.int32),) * 3)[1], self.params
+        lambda p: kv_cache.stored(
+          self._prefill_model.apply({"params": p}, *(jnp.zeros((1, 1), jnp.int32),) * 3)[1], self.config
+        ),
+        self.params,
       )
-      shard = sharding.logical_sharding(self._pool_axes(), self.mesh, self.config)
-      self._pool_sharding = jax.tree_util.tree_map(lambda _: shard, shapes)
+      self._pool_sharding = kv_cache.shardings(
+        shapes, self._pool_axes(), lambda axes: sharding.logical_sharding(axes, self.mesh, self.config)
+      )
 
       def zeros():
         return jax.tree_util.tree_map(
@@ -317,7 +341,8 @@ class Engine:
 
   def _write(self, pool, new, table, positions, valid):
     """new (keys, values) [layers, batch, t, ...] of the tokens at `positions` [batch, t] into their pages;
-    tokens not `valid` are dropped (padding, idle slots)."""
+    tokens not `valid` are dropped (padding, idle slots). With quantize_kvcache they are quantized here."""
+    new = kv_cache.stored(new, self.config)
     page = jnp.take_along_axis(table, positions // self.page_size, axis=1)
     page = jnp.where(valid, page, self.pages.num_pages)  # out of range: dropped
     offset = positions % self.page_size
@@ -466,7 +491,7 @@ class Engine:
     its keys and values came from the old ones, and the KV pool is allocated again if `release` freed it."""
     if self.busy():
       raise RuntimeError("load() swaps the parameters of an idle engine; requests are running")
-    self.params = params
+    self.params = serving_params(self.config, self.mesh, params)
     self.pages = pages_lib.Pages(self._num_pages, self.page_size)
     if self.pool is None:
       self.pool = self._empty_pool(self._num_pages)
