@@ -9,6 +9,7 @@ together took 1 min 51 s on 2 CPU cores (the whole file, 2026-11-26, load averag
 each case's time is in its docstring).
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -351,6 +352,21 @@ def check_quantized_training(request, tmp_path):
     assert abs(difference - (losses[name] - losses["bf16"])) <= 2e-6 and abs(difference) <= shown == margin
 
 
+def check_quantized_decode_memory(request, tmp_path):
+  """quantized_decode_memory_tpu.py --quick (a few seconds; libtpu): the tiny model's decode step compiled for a
+  v5e-4 with float and int8w weights; both fit, and the int8w step's arguments (weights and cache) are smaller."""
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed (TPU_COMPILE=1 bash setup.sh installs it)")
+  text = run_script(["end_to_end/quantized_decode_memory_tpu.py", "--quick"])
+  rows = re.findall(
+    rf"^\| (\w+) \| v5e-4 \| ({NUMBER}) MiB \| {NUMBER} MiB \| {NUMBER} MiB \| [^|]+ \| (fits|[^|]+) \|", text, re.M
+  )
+  got = {name: (float(arguments), verdict) for name, arguments, verdict in rows}
+  assert set(got) == {"bf16", "int8w"}, text[-3000:]
+  assert got["bf16"][1] == got["int8w"][1] == "fits", got
+  assert 0 < got["int8w"][0] < got["bf16"][0], got
+
+
 SHORT_MODES = {
   "end_to_end/quickstart_demo.sh": check_quickstart,
   "end_to_end/plot_metrics.py": check_plot_metrics,
@@ -365,6 +381,7 @@ SHORT_MODES = {
   "end_to_end/benchmark_rl.py": check_benchmark_rl,
   "end_to_end/rl_demo.sh": check_rl_demo,
   "end_to_end/quantized_training_demo.sh": check_quantized_training,
+  "end_to_end/quantized_decode_memory_tpu.py": check_quantized_decode_memory,
 }
 
 
