@@ -29,8 +29,8 @@ done
 COMPUTE=(MaxText/tests/engine_test.py)
 for name in attention_kernels build_demo_dataset build_finetune_demo_data build_rl_demo_data checkpointing \
   context_parallel convert deepseek families family_parallelism gemma3 gpt_oss grouped_matmul hf_checkpoint imports \
-  integrity kimi llama4 logit_checker model moe optimizers pipeline qwen2 rl_loss rl_rewards sharding_rules sharding \
-  state tokenizer; do
+  integrity kimi kv_quant llama4 logit_checker model moe optimizers pipeline quantization quantized_inference qwen2 \
+  rl_loss rl_rewards sharding_rules sharding state tokenizer; do
   COMPUTE+=("MaxText/tests/${name}_test.py")
 done
 mapfile -t FILES < <(ls MaxText/tests/*_test.py | sort | grep -v -x -F "${COMPUTE[@]/#/-e}")

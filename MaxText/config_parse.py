@@ -33,6 +33,7 @@ PATH_KEYS = (
   "metrics_file",
   "compiled_trainstep_file",
   "jax_cache_dir",
+  "save_quantized_params_path",
 )
 
 
