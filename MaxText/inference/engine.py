@@ -242,6 +242,7 @@ class Engine:
     sampled_logprobs: bool = False,
   ):
     check(config)
+    quantizations.check_devices(config, mesh.devices.flat[0])  # as training's: fp8 on a GPU without it, megablox
     cfg = self.config = config
     self.mesh = mesh
     self.params = serving_params(cfg, mesh, params)

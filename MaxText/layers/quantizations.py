@@ -81,6 +81,15 @@ def check(values: Mapping) -> None:
       "quantization_targets contains head but logits_via_embedding=true: the tied head is the embedding's "
       "transpose, which is not quantized; drop head from quantization_targets"
     )
+  shards = values["quantization_local_shard_count"]
+  if shards == 0 or shards < -1:
+    raise ConfigError(
+      f"quantization_local_shard_count={shards}: give a positive number of tiles, or -1 for one per slice (num_slices)"
+    )
+  for key in CALIBRATION_KEYS:
+    _check_calibration(key, values[key])
+  if name in WEIGHT_ONLY:
+    _check_fused(values)
   group = values["quantization_group_size"]
   if group < 0:
     raise ConfigError(f"quantization_group_size={group} is negative; give 0 (one scale per channel) or a group size")
@@ -98,6 +107,44 @@ def check(values: Mapping) -> None:
       f"checkpoint_is_quantized=true with quantization={name or '(none)'}: quantized parameters load only into "
       "their weight-only model; set quantization to the int8w or int4w they were saved with"
     )
+
+
+CALIBRATION_KEYS = tuple(f"{k}_quantization_calibration_method" for k in ("weight", "act", "bwd"))
+# qwix's calibration methods (core/qarray.calibrate; minmax, asymmetric, is not offered): the counts of numbers
+# each takes after its name.
+_CALIBRATIONS = {"absmax": (0, 1), "rms": (1,), "fixed": (1, 2)}
+
+
+def _check_calibration(key: str, method: str) -> None:
+  """A calibration method qwix can run: absmax, absmax,<scale>, rms,<scale>, fixed,<max> or fixed,<min>,<max> with
+  min <= 0 <= max, min < max (qwix's own error would come, as a traceback, from inside the first quantized matmul)."""
+  name, *args = method.lower().split(",")
+  try:
+    numbers = [float(a) for a in args]
+  except ValueError:
+    numbers = None
+  usage = "absmax, absmax,<scale>, rms,<scale>, fixed,<max> or fixed,<min>,<max>"
+  if name not in _CALIBRATIONS or numbers is None or len(numbers) not in _CALIBRATIONS[name]:
+    raise ConfigError(f"{key}={method!r} is not a calibration method; give {usage}")
+  if name == "fixed":
+    low, high = (-numbers[0], numbers[0]) if len(numbers) == 1 else numbers
+    if not low <= 0 <= high or low >= high:
+      raise ConfigError(f"{key}={method!r}: a fixed range must contain 0 and not be empty, e.g. fixed,-4,4")
+  elif numbers and numbers[0] <= 0:
+    raise ConfigError(f"{key}={method!r}: the scale must be positive, e.g. {name},1.0")
+
+
+def _check_fused(values: Mapping) -> None:
+  """Weight-only quantization finds a weight as the parameter of the module that multiplies by it; fused_qkv and
+  fused_mlp multiply by their projections' kernels stacked in the parent module, where no parameter matches, so
+  those kernels would stay float unseen."""
+  targets = values["quantization_targets"]
+  for key, reached in (("fused_qkv", "attention" in targets), ("fused_mlp", {"mlp", "moe"} & set(targets))):
+    if values[key] and reached:
+      raise ConfigError(
+        f"{key}=true with quantization={values['quantization']}: weight-only quantization cannot reach the fused "
+        f"matmul's stacked kernels (they would stay float); set {key}=false (the same parameters and numerics)"
+      )
 
 
 def is_training(config: Config) -> bool:
@@ -166,10 +213,12 @@ _READ_WHOLE = r"(.*/)?wkv_b"  # weights a layer reads whole in some mode (see we
 
 def weight_only_rules(config: Config) -> list:
   """qwix's PTQ rule: the targets' weights in WEIGHT_ONLY's type, one scale per output channel or per
-  quantization_group_size inputs of one (qwix's tile_size, on the innermost contraction axis). Only dot_general:
-  qwix 0.1.8's PtqProvider has no ragged_dot, so MoE experts that run on ragged_dot keep their float weights; nor
-  can a quantized weight be read whole (DenseGeneral(weights_only=True)), so the one a decode step reads so, MLA's
-  wkv_b (folded into the query and the output), stays float too."""
+  quantization_group_size inputs of one (qwix's tile_size, on the innermost contraction axis). PTQ quantizes a
+  weight only where the module that owns it as a parameter multiplies by it, so the routed experts' weights stay
+  float on every path (MoeBlock owns them, moe.RoutedExperts multiplies; qwix 0.1.8's PtqProvider has no ragged_dot
+  either): of the moe target only the shared experts are quantized. Nor can a quantized weight be read whole
+  (DenseGeneral(weights_only=True)), so the one a decode step reads so, MLA's wkv_b (folded into the query and the
+  output), stays float too, and fused_qkv / fused_mlp are refused (check)."""
   return [
     _qwix().QuantizationRule(
       module_path=rf"(?!{_READ_WHOLE}$)({_module_path(config)})",

@@ -268,12 +268,42 @@ def test_checkpoint_of_a_quantized_run_loads_into_an_unquantized_one_and_back(tm
     (("quantization=int8", "use_qwix_quantization=false"), "use_qwix_quantization"),
     (("quantization=int8", "quantization_targets=[attention, router]"), "quantization_targets"),
     (("quantization=int8", "quantization_targets=[head]", "logits_via_embedding=true"), "logits_via_embedding"),
+    (("quantization=int8", "quantization_local_shard_count=0"), "quantization_local_shard_count"),
+    (("quantization=fp8", "quantization_local_shard_count=-2"), "quantization_local_shard_count"),
+    (("quantization=int8", "weight_quantization_calibration_method=bogus"), "weight_quantization_calibration_method"),
+    (("quantization=int8", "act_quantization_calibration_method=rms"), "act_quantization_calibration_method"),
+    (("quantization=int8", "bwd_quantization_calibration_method=absmax,x"), "bwd_quantization_calibration_method"),
+    (("quantization=int8", "bwd_quantization_calibration_method=fixed,1,2"), "bwd_quantization_calibration_method"),
+    (("quantization=int8w", "fused_qkv=true", "override_model_config=true", "base_num_kv_heads=4"), "fused_qkv"),
+    (("quantization=int4w", "fused_mlp=true", "quantization_targets=[moe]"), "fused_mlp"),
   ],
 )
 def test_bad_quantization_keys_are_one_line_errors_naming_the_key(args, key):
+  """Each one otherwise ends in a traceback from inside qwix at the first quantized matmul (a zero or negative tile
+  count, an unknown calibration) or, for the fused projections under weight-only quantization, leaves their kernels
+  float unseen."""
   with pytest.raises(ConfigError, match=key) as e:
     config(*args)
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "args",
+  [
+    ("quantization=int8", "weight_quantization_calibration_method=absmax,1.01", "act_quantization_calibration_method=rms,3"),
+    ("quantization=fp8_full", "bwd_quantization_calibration_method=fixed,-4,4", "quantization_local_shard_count=2"),
+    (
+      "quantization=int8w",
+      "fused_qkv=true",
+      "quantization_targets=[mlp]",
+      "override_model_config=true",
+      "base_num_kv_heads=4",
+    ),
+    ("quantization=int8", "fused_qkv=true", "fused_mlp=true", "override_model_config=true", "base_num_kv_heads=4"),
+  ],
+)
+def test_valid_quantization_keys_pass(args):
+  config(*args)
 
 
 GPU = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
