@@ -86,6 +86,12 @@ def check(values: Mapping) -> None:
     raise ConfigError(
       f"quantization_local_shard_count={shards}: give a positive number of tiles, or -1 for one per slice (num_slices)"
     )
+  if name in TRAINING and shards > 0 and values["max_target_length"] % shards:
+    # The weight gradient's contraction is over the tokens; qwix tiles its innermost axis, the sequence.
+    raise ConfigError(
+      f"quantization_local_shard_count={shards} does not divide max_target_length={values['max_target_length']} "
+      "(weight gradients are quantized in tiles of the sequence); give a divisor of it"
+    )
   for key in CALIBRATION_KEYS:
     _check_calibration(key, values[key])
   if name in WEIGHT_ONLY:
@@ -173,8 +179,9 @@ def check_devices(config: Config, device) -> None:
   if not is_training(config):
     return
   if config.quantization.startswith("fp8") and device.platform == "gpu":
-    capability = getattr(device, "compute_capability", "0.0")
-    if tuple(int(n) for n in capability.split(".")) < (8, 9):
+    capability = str(getattr(device, "compute_capability", ""))
+    # CUDA reports "major.minor"; anything else (another vendor's GPU) is not judged here.
+    if re.fullmatch(r"\d+\.\d+", capability) and tuple(map(int, capability.split("."))) < (8, 9):
       raise ConfigError(
         f"quantization={config.quantization} needs fp8 matmuls, which {device.device_kind} (compute capability "
         f"{capability}) does not have (8.9 or later: Ada, Hopper, Blackwell); use quantization=int8 or none"

@@ -270,6 +270,7 @@ def test_checkpoint_of_a_quantized_run_loads_into_an_unquantized_one_and_back(tm
     (("quantization=int8", "quantization_targets=[head]", "logits_via_embedding=true"), "logits_via_embedding"),
     (("quantization=int8", "quantization_local_shard_count=0"), "quantization_local_shard_count"),
     (("quantization=fp8", "quantization_local_shard_count=-2"), "quantization_local_shard_count"),
+    (("quantization=int8", "quantization_local_shard_count=3"), "quantization_local_shard_count"),  # 64 tokens
     (("quantization=int8", "weight_quantization_calibration_method=bogus"), "weight_quantization_calibration_method"),
     (("quantization=int8", "act_quantization_calibration_method=rms"), "act_quantization_calibration_method"),
     (("quantization=int8", "bwd_quantization_calibration_method=absmax,x"), "bwd_quantization_calibration_method"),
@@ -279,8 +280,8 @@ def test_checkpoint_of_a_quantized_run_loads_into_an_unquantized_one_and_back(tm
   ],
 )
 def test_bad_quantization_keys_are_one_line_errors_naming_the_key(args, key):
-  """Each one otherwise ends in a traceback from inside qwix at the first quantized matmul (a zero or negative tile
-  count, an unknown calibration) or, for the fused projections under weight-only quantization, leaves their kernels
+  """Each one otherwise ends in a traceback from inside qwix at the first quantized matmul (a zero, negative or
+  non-dividing tile count, an unknown calibration) or, for the fused projections under weight-only quantization, leaves their kernels
   float unseen."""
   with pytest.raises(ConfigError, match=key) as e:
     config(*args)
