@@ -124,11 +124,12 @@ def _abstract(boxed, mesh: Mesh, config: Config):
 def params_layout(model: nn.Module, config: Config, mesh: Mesh):
   """(abstract params with shardings, their shardings): the parameters alone, for decoding. Of a weight-only
   quantized model (quantizations.quantize_model with int8w / int4w), its quantized params: each weight a value laid
-  out like the float weight and a scale with its reduced axes unsplit (quantizations.unsplit_scales)."""
+  out like the float weight and a scale with its reduced axes unsplit (quantizations.unsplit_scales), the routed
+  experts' kernels included (quantizations.quantize_experts: PTQ's init leaves them float)."""
   with quantizations.group_size_errors(config):
     boxed = jax.eval_shape(lambda rng: init_params(model, config, rng), jax.random.key(0))
   if quantizations.is_weight_only(config):
-    boxed = quantizations.unsplit_scales(boxed)
+    boxed = quantizations.unsplit_scales(quantizations.quantize_experts(boxed, model, config))
   return _abstract(boxed, mesh, config)
 
 

@@ -166,13 +166,16 @@ class MoeBlock(nn.Module):
     return self.param(name, nn.with_logical_partitioning(init, axes), shape, dtypes(self.config)[1])
 
   def expert_weights(self) -> ExpertWeights:
-    """The experts' parameters (see the class), in the activation dtype."""
+    """The experts' parameters (see the class), in the activation dtype; weight-only quantized kernels dequantized
+    (quantizations.dense)."""
+    from MaxText.layers import quantizations  # here: it imports the decoder registry, which imports this module
+
     cfg = self.config
     dtype, weight_dtype = dtypes(cfg)
     n, e, m, count = cfg.num_experts, cfg.emb_dim, cfg.moe_mlp_dim, len(cfg.mlp_activations)
     wi = [self.expert_kernel(f"wi_{i}", (n, e, m), (ct.EXP, ct.EMBED_NO_EXP, ct.MLP)) for i in range(count)]
     wo = self.expert_kernel("wo", (n, m, e), (ct.EXP, ct.MLP, ct.EMBED_NO_EXP))
-    weights = ExpertWeights([w.astype(dtype) for w in wi], wo.astype(dtype))
+    weights = ExpertWeights([quantizations.dense(w, dtype) for w in wi], quantizations.dense(wo, dtype))
     if not self.use_bias:
       return weights
 
@@ -222,7 +225,8 @@ class RoutedExperts(nn.Module):
   the CPU's grouped matmul) or jax.lax.ragged_dot, the ops qwix quantizes; the dispatch and combine products are
   one-hot gathers and weighted sums, jnp.einsum, which quantization leaves alone.
 
-  Quantized, the weights are operands, not parameters, of this module: qwix calibrates them by
+  Weight-only quantized (int8w, int4w), MoeBlock dequantizes its kernels before they come here (quantizations.dense).
+  Quantized training, the weights are operands, not parameters, of this module: qwix calibrates them by
   act_quantization_calibration_method, and its ragged_dot (GPU, TPU) by absmax always. The scales are those of what
   each device computes: on the dropless path under a mesh, its own rows and its shard of the weights, so a sharded
   run's experts quantize with other scales than one device's (the CPU's tiles of rows, too: one scale per tile)."""

@@ -9,7 +9,8 @@ rule names, so no layer has a quantized copy.
   tiles of the contraction axis. The parameters stay in weight_dtype: checkpoints are those of an unquantized run.
 - Weight-only serving (`quantization` = int8w, int4w): qwix's PTQ. The parameters a rule names are stored quantized
   (an int8/int4 value and a float scale per output channel, or per quantization_group_size inputs of each) and the
-  matmul dequantizes them; `quantize_params` turns a float params tree into that form.
+  matmul dequantizes them; `quantize_params` turns a float params tree into that form. The routed experts' kernels,
+  which PTQ cannot find (quantize_experts), are quantized alike, per expert, and dequantized by MoeBlock (`dense`).
 
 `quantization_targets` picks the matmuls: `TARGETS` maps each to a rule's module path (the router of a mixture of
 experts, normalisation, embedding lookup and attention's own score and value products are never quantized).
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from MaxText.common_types import Config, ConfigError
@@ -46,7 +48,8 @@ QUANTIZATIONS = ("", *TRAINING, *WEIGHT_ONLY)
 #   attention: the projections, and fused_qkv's one matmul, which runs in self_attention itself;
 #   mlp: a dense MLP's projections, and fused_mlp's, in mlp itself (an MoE block, also named mlp, has no matmul of its
 #     own: its router is mlp/gate, its experts' matmuls run in moe.RoutedExperts, mlp/experts);
-#   moe: the routed experts (mlp/experts) and the shared ones (mlp/shared, an MLP), never the router (mlp/gate);
+#   moe: the routed experts (mlp/experts; weight-only: their kernels, see quantize_experts) and the shared ones
+#     (mlp/shared, an MLP), never the router (mlp/gate);
 #   head: the untied output projection, in the Transformer or in the loss's vocabulary tiles (models.OutputHead).
 _LAYER = r"(.*/)?"
 TARGETS = {
@@ -221,11 +224,11 @@ _READ_WHOLE = r"(.*/)?wkv_b"  # weights a layer reads whole in some mode (see we
 def weight_only_rules(config: Config) -> list:
   """qwix's PTQ rule: the targets' weights in WEIGHT_ONLY's type, one scale per output channel or per
   quantization_group_size inputs of one (qwix's tile_size, on the innermost contraction axis). PTQ quantizes a
-  weight only where the module that owns it as a parameter multiplies by it, so the routed experts' weights stay
-  float on every path (MoeBlock owns them, moe.RoutedExperts multiplies; qwix 0.1.8's PtqProvider has no ragged_dot
-  either): of the moe target only the shared experts are quantized. Nor can a quantized weight be read whole
-  (DenseGeneral(weights_only=True)), so the one a decode step reads so, MLA's wkv_b (folded into the query and the
-  output), stays float too, and fused_qkv / fused_mlp are refused (check)."""
+  weight only where the module that owns it as a parameter multiplies by it, so the routed experts' kernels, which
+  MoeBlock owns and moe.RoutedExperts multiplies by (by ragged_dot too, which qwix 0.1.8's PtqProvider lacks), are
+  not found by this rule: quantize_experts marks them in the layout, MoeBlock dequantizes them. Nor can a quantized
+  weight be read whole (DenseGeneral(weights_only=True)), so the one a decode step reads so, MLA's wkv_b (folded into
+  the query and the output), stays float, and fused_qkv / fused_mlp are refused (check)."""
   return [
     _qwix().QuantizationRule(
       module_path=rf"(?!{_READ_WHOLE}$)({_module_path(config)})",
@@ -246,6 +249,62 @@ def quantize_model(model: nn.Module, config: Config) -> nn.Module:
   if is_weight_only(config):
     return qwix.quantize_model(model, qwix.PtqProvider(weight_only_rules(config)))
   return model
+
+
+# The routed experts' kernels as MoeBlock (always named mlp) owns them, [experts, in, out] per layer: the leaf itself is
+# mlp/wi_<i> or mlp/wo (a dense MLP's are mlp/wi_0/kernel; the experts' biases mlp/wi_<i>_bias, mlp/wo_bias).
+_EXPERT_KERNEL = re.compile(r"(.*/)?mlp/(wi_\d+|wo)")
+
+
+def quantize_experts(boxed, model: nn.Module, config: Config):
+  """The weight-only model's boxed params (its init under jax.eval_shape) with the routed experts' kernels marked
+  for quantization as PTQ marks the weights it finds: qwix's WithAux of an int8/int4 value laid out like the kernel
+  and a scale per expert and output channel (or per quantization_group_size inputs of one), in the kernel's dtype,
+  from weight_quantization_calibration_method. PTQ finds none of them (the module multiplying by them,
+  moe.RoutedExperts, does not own them), so its init leaves them float; marked here, quantize_params, the layout and
+  a quantized checkpoint treat them as any other quantized weight, and MoeBlock dequantizes them (`dense`). The
+  float tree (checkpoints, Hugging Face) keeps the kernels as they are. Only with `moe` in quantization_targets, and
+  only for `model` made by quantize_model (a float model under the same config keeps float kernels)."""
+  if not (is_weight_only(config) and "moe" in config.quantization_targets and _is_ptq(model)):
+    return boxed
+  qarray, ptq = _qwix("_src.core.qarray"), _qwix("_src.providers.ptq")
+  how = qarray.HowToQuantize(
+    qtype=WEIGHT_ONLY[config.quantization],
+    channelwise_axes=[0, 2],  # the expert and the output channel
+    tiled_axes={1: config.quantization_group_size} if config.quantization_group_size else {},
+    calibration_method=config.weight_quantization_calibration_method,
+  )
+  scanned = _scanned(config)
+  out = {}
+  for path, leaf in flax.traverse_util.flatten_dict(boxed).items():
+    out[path] = leaf
+    lead = 1 if path[0] in scanned else 0  # a scanned stack's leading layers axis
+    if not (isinstance(leaf, nn.Partitioned) and _EXPERT_KERNEL.fullmatch("/".join(path)) and leaf.value.ndim == 3 + lead):
+      continue
+    shape = leaf.value.shape
+    _check_group(path, shape[lead:], how)
+    quantized = jax.eval_shape(lambda w: qarray.quantize(w, how), jax.ShapeDtypeStruct(shape[lead:], leaf.value.dtype))
+
+    def stacked(x, box=leaf):  # boxed with the kernel's logical names (unsplit_scales unsplits the scale's reduced axes)
+      return box.replace(value=jax.ShapeDtypeStruct(shape[:lead] + x.shape, x.dtype))
+
+    out[path] = ptq.WithAux(quantized.replace(qvalue=stacked(quantized.qvalue), scale=stacked(quantized.scale)), how)
+  return flax.traverse_util.unflatten_dict(out)
+
+
+def _is_ptq(model: nn.Module) -> bool:
+  """Whether `model` is quantize_model's weight-only model (qwix marks the class it makes with _unquantized_type)."""
+  return getattr(type(model), "_unquantized_type", None) is not None
+
+
+def dense(w, dtype):
+  """An expert kernel in `dtype` for matmuls that take it as an operand (moe.RoutedExperts): a float one cast, a
+  weight-only quantized one (the WithAux quantize_experts marks, which PTQ's self.param returns as it is) dequantized,
+  its values times their scales in the scales' dtype, then cast: the float model's matmul on the dequantized weights,
+  on every path (dropless, capacity, dense, megablox), while the params stay int8 / int4 in memory."""
+  if isinstance(w, jax.Array | np.ndarray):
+    return w.astype(dtype)
+  return _qwix("_src.core.qarray").dequantize(w.array).astype(dtype)
 
 
 def _scanned(config: Config) -> set[str]:

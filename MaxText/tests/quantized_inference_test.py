@@ -336,3 +336,108 @@ def test_a_multi_head_latent_attention_model_decodes_with_int8_weights():
   for _ in range(len(cached)):  # each next token from a prefill of the whole prefix
     recomputed += engine.generate([engine_lib.Request(tuple(recomputed), 1)])[0].tokens
   assert cached == recomputed[len(prompt) :]
+
+
+# ---------------------------------------------------------------------------------------- a mixture of experts' experts
+# A tiny Mixtral (4 experts, top-2, no shared expert): its routed experts' kernels are parameters of the MoE block
+# (mlp/wi_0, wi_1, wo, [experts, in, out] per layer) that another module multiplies by, which PTQ cannot find alone.
+MOE = (
+  "decoder_block=mixtral",
+  "override_model_config=true",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "base_moe_mlp_dim=48",
+  "max_target_length=16",
+  "max_prefill_predict_length=8",
+)
+EXPERT_KERNELS = ("wi_0", "wi_1", "wo")
+
+
+def _moe_float_params(cfg):
+  from flax import linen as nn
+
+  return nn.meta.unbox(models.Transformer(cfg).init(jax.random.key(0), *models.init_inputs(1, 8))["params"])
+
+
+def _absmax_int8(w: np.ndarray, served: np.ndarray) -> np.ndarray:
+  """The int8 quantize-dequantize of stacked expert kernels w [layers, experts, in, out] by NumPy: one scale per
+  layer, expert and output channel, max |w| over the inputs / 127.5 (qwix's int8 bound, the middle of the top
+  bucket), the values w / scale rounded half to even and clipped to [-128, 127], times their scale. A channel's
+  largest |w| lands on the bucket edge 127.5 itself, where the last bit of a float32 quotient picks the bucket
+  (-127.5 gives -128 or -127): there either is right, so the `served` integers must be one of the two and are taken."""
+  scale = (np.max(np.abs(w), axis=2, keepdims=True) / np.float32(127.5)).astype(np.float32)
+  quotient = w.astype(np.float64) / scale
+  values = np.clip(np.round(quotient), -128, 127)
+  edge = np.abs(np.abs(quotient) - 127.5) < 1e-4
+  assert np.all((served == values) | (edge & (np.abs(served - quotient) <= 0.5 + 1e-4)))
+  assert edge.sum() <= w.size // w.shape[2]  # at most the largest of each channel
+  return (np.where(edge, served, values) * scale).astype(np.float32)
+
+
+def test_weight_only_quantizes_the_routed_experts_per_expert_and_output_channel():
+  """int8w with moe in quantization_targets: the routed experts' kernels are served as int8 values with a scale per
+  layer, expert and output channel ([layers, experts, 1, out]; per group of inputs with quantization_group_size), the
+  float tree keeping its paths; the logits are the float model's on the NumPy-dequantized kernels, not its own."""
+  cfg = config(*MOE, "quantization=int8w", "quantization_targets=[moe]")
+  float_cfg = config(*MOE)
+  params = _moe_float_params(float_cfg)
+  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+  served = engine_lib.serving_params(cfg, mesh, params)
+  for name in EXPERT_KERNELS:
+    quantized = served["layers"]["mlp"][name].array
+    layers, experts, _, out = params["layers"]["mlp"][name].shape
+    assert quantized.qvalue.dtype == jnp.int8 and quantized.qvalue.shape == params["layers"]["mlp"][name].shape
+    assert quantized.scale.shape == (layers, experts, 1, out)
+  assert not quantizations.is_quantized(served["layers"]["mlp"]["gate"])  # the router stays float
+
+  grouped = config(*MOE, "quantization=int4w", "quantization_group_size=16", "quantization_targets=[moe]")
+  wo = engine_lib.serving_params(grouped, mesh, params)["layers"]["mlp"]["wo"].array
+  assert wo.scale.shape == (2, 4, 48 // 16, cfg.emb_dim) and int(np.abs(np.asarray(wo.qvalue)).max()) <= 8
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 16)), jnp.int32)
+  inputs = (tokens, jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(16), tokens.shape))
+  got = quantizations.quantize_model(models.Transformer(cfg), cfg).apply({"params": served}, *inputs)
+  dequantized = jax.tree_util.tree_map(np.asarray, params)
+  for name in EXPERT_KERNELS:
+    served_values = np.asarray(served["layers"]["mlp"][name].array.qvalue, np.float64)
+    dequantized["layers"]["mlp"][name] = _absmax_int8(dequantized["layers"]["mlp"][name], served_values)
+  want = models.Transformer(float_cfg).apply({"params": dequantized}, *inputs)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  plain = models.Transformer(float_cfg).apply({"params": params}, *inputs)
+  assert np.max(np.abs(np.asarray(got) - np.asarray(plain))) > 1e-3
+
+
+def test_weight_only_moe_decodes_on_expert_and_tensor_parallel_devices_as_on_one():
+  """int8w of every target on an MoE model: 8 devices (expert x tensor) decode the tokens and logprobs of one; the
+  experts' int8 values are split like their float kernels."""
+  from MaxText.tests.helpers import assert_sharded_decode_equals_one_device
+
+  one = config(*MOE, "quantization=int8w", "per_device_batch_size=8")
+  eight = config(
+    *MOE,
+    "quantization=int8w",
+    "per_device_batch_size=1",
+    "ici_expert_parallelism=4",
+    "ici_fsdp_parallelism=1",
+    "ici_tensor_parallelism=2",
+    num_devices=8,
+  )
+  params = _moe_float_params(config(*MOE))
+  prompts = [tuple(int(t) for t in row) for row in np.random.default_rng(1).integers(1, one.vocab_size, (8, 6))]
+  engine8 = assert_sharded_decode_equals_one_device(one, eight, params, prompts)
+  wi = engine8.params["layers"]["mlp"]["wi_0"].array
+  assert wi.qvalue.dtype == jnp.int8
+  assert wi.qvalue.sharding.spec == sharding.logical_to_mesh_spec(("layers", "exp", "embed_no_exp", "mlp"), eight)
+
+
+def test_a_quantized_moe_params_checkpoint_round_trips(tmp_path):
+  """save_quantized_params of an MoE model's int8w params, loaded back with checkpoint_is_quantized: the same
+  arrays bit for bit, the experts' int8 values and scales included."""
+  cfg = config(*MOE, "quantization=int8w", f"save_quantized_params_path={tmp_path / 'q'}")
+  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+  served = engine_lib.serving_params(cfg, mesh, _moe_float_params(config(*MOE)))
+  items = checkpointing.save_quantized_params(cfg, served)
+  loaded_cfg = config(*MOE, "quantization=int8w", "checkpoint_is_quantized=true", f"load_parameters_path={items}")
+  loaded, _ = checkpointing.load_params(loaded_cfg, mesh, jnp.float32)
+  assert quantizations.is_quantized(loaded["layers"]["mlp"]["wo"])
+  assert_trees_equal(engine_lib.serving_params(loaded_cfg, mesh, loaded), served)
