@@ -281,8 +281,8 @@ def test_checkpoint_of_a_quantized_run_loads_into_an_unquantized_one_and_back(tm
 )
 def test_bad_quantization_keys_are_one_line_errors_naming_the_key(args, key):
   """Each one otherwise ends in a traceback from inside qwix at the first quantized matmul (a zero, negative or
-  non-dividing tile count, an unknown calibration) or, for the fused projections under weight-only quantization, leaves their kernels
-  float unseen."""
+  non-dividing tile count, an unknown calibration) or, for the fused projections under weight-only quantization,
+  leaves their kernels float unseen."""
   with pytest.raises(ConfigError, match=key) as e:
     config(*args)
   assert "\n" not in str(e.value)
