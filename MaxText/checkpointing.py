@@ -172,16 +172,10 @@ def check_new_params_dir(key: str, directory: str) -> None:
     raise ConfigError(f"{key}={directory} already holds a checkpoint; give a new folder (none is ever overwritten)")
 
 
-def quantized_params_dir(config: Config) -> str:
-  """save_quantized_params_path, absolute (Orbax takes no relative path)."""
-  path = storage.expand(config.save_quantized_params_path)
-  return path if storage.is_remote(path) else os.path.abspath(path)
-
-
 def save_quantized_params(config: Config, params) -> str:
   """Writes weight-only quantized `params` to save_quantized_params_path (a params checkpoint with their
   quantizations.settings beside them, which loading with checkpoint_is_quantized checks); returns its items path."""
-  directory = quantized_params_dir(config)
+  directory = config.save_quantized_params_path  # absolute: a path key (config_parse.PATH_KEYS)
   check_new_params_dir("save_quantized_params_path", directory)
   return save_params(directory, quantizations.widened(params), quantizations.settings(config))
 

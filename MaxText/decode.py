@@ -61,7 +61,7 @@ def visible(text: str) -> str:
 def save_quantized(config: Config) -> int:
   """save_quantized_params_path: the parameters quantized once (from weight_dtype, not a narrower decoding dtype)
   and written as a params checkpoint with their quantization settings."""
-  directory = checkpointing.quantized_params_dir(config)
+  directory = config.save_quantized_params_path  # absolute: a path key (config_parse.PATH_KEYS)
   checkpointing.check_new_params_dir("save_quantized_params_path", directory)  # before any work
   cli.check_writable("save_quantized_params_path", directory, folder=True)
   mesh = sharding.create_mesh(config)
