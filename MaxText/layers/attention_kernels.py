@@ -5,7 +5,10 @@ per head, q already scaled, causal, only within a packed document (same segment 
 sliding window or a chunk (Llama 4), with soft-capped logits and with attention sinks (gpt-oss; attention_masks.py).
 They differ in where they run and in memory:
 
-- `dot_product`: XLA einsums, here; the [length, length] scores exist in float32. Any platform, any feature.
+- `dot_product`: XLA einsums, here; the [length, length] scores exist whole, in the activation dtype as MaxText's
+  (float32 with its keys float32_qk_product / float32_logits: attention_masks.dense_scores). Any platform, any
+  feature. As the reference other kernels are tested against it runs with float32 scores (those keys set, or
+  float32 inputs, where the keys change nothing).
 - `flash`: on TPU, Pallas splash attention (attention_splash.py); elsewhere blockwise attention, an online softmax
   over key blocks in plain JAX (attention_blockwise.py) whose backward recomputes the scores per block, so memory
   is O(length * block).
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers.attention_blockwise import blockwise_attention
 from MaxText.layers.attention_cudnn import GPU_PLATFORMS, cudnn_attention, cudnn_unsupported_reason
-from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, sink_softmax, soft_cap
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, dense_scores, sink_softmax
 from MaxText.layers.attention_splash import splash_attention, splash_block_sizes, splash_blocks, splash_takes_sinks
 
 __all__ = [
@@ -60,8 +63,9 @@ SHORT_SEQUENCE = 1024
 
 
 def dot_product_attention(q, k, v, segment_ids, positions, settings: AttentionSettings) -> jax.Array:
-  """softmax(q k^T + mask) v with grouped heads; the softmax runs in float32. Of `settings`: window, chunk, sinks,
-  cap, precision.
+  """softmax(q k^T + mask) v with grouped heads, the scores and softmax in the dtype dense_scores gives (the
+  activation dtype, or float32 by float32_qk_product / float32_logits). Of `settings`: window, chunk, sinks, cap,
+  precision and those two keys.
 
   q: [batch, length, heads, head_dim] (already scaled); k, v: [batch, length, kv_heads, head_dim];
   returns [batch, length, heads, head_dim].
@@ -76,13 +80,12 @@ def dense_attention(q, k, v, queries: Tokens, keys: Tokens, settings: AttentionS
   b, t, h, d = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
-  precision = settings.precision
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
+  logits = dense_scores("btkgd,bskd->bkgts", q, k, settings)
   visible = queries.mask(keys, settings.window, settings.chunk)[:, None, None]
-  logits = jnp.where(visible, soft_cap(logits, settings.cap), MASK_VALUE)
+  logits = jnp.where(visible, logits, MASK_VALUE)
   sinks = None if settings.sinks is None else settings.sinks.reshape(kv, h // kv)
   weights = sink_softmax(logits, sinks).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=precision)
+  out = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=settings.precision)
   return out.reshape(b, t, h, -1)
 
 

@@ -32,7 +32,11 @@ class AttentionSettings:
   sinks: learned attention sinks, [heads] float32 logits, one per head, that join every query's softmax without a
     value (gpt-oss): the weights of the real keys then sum to less than 1; None: no sinks;
   cap: logit soft cap, cap * tanh(logits / cap) (0: none; Gemma 2);
-  precision: of the matmuls (softmax statistics are float32 regardless);
+  precision: of the matmuls;
+  float32_qk_product, float32_logits: the dense kernels' (dot_product, the KV-cache paths) score dtype, MaxText's
+    keys (dense_scores): q.k computed in float32, and the scores cast to float32 before the mask and softmax; both
+    False: scores and softmax in the activation dtype. Blockwise, splash and cuDNN keep float32 scores and softmax
+    statistics in their tiles whatever these say;
   block_q, block_kv: the tiles of blockwise attention (clipped to the length);
   interpret: run Pallas kernels (splash) in interpret mode, on any platform (tests on the CPU);
   config: the run's Config, for what only the choice of kernel, splash and the mesh read (`attention`, the sa_*
@@ -44,6 +48,8 @@ class AttentionSettings:
   sinks: jax.Array | None = None
   cap: float = 0.0
   precision: jax.lax.Precision | None = None
+  float32_qk_product: bool = False
+  float32_logits: bool = False
   block_q: int = 512
   block_kv: int = 512
   interpret: bool = False
@@ -51,10 +57,12 @@ class AttentionSettings:
 
   @classmethod
   def from_config(cls, config: Config, **fields) -> "AttentionSettings":
-    """The settings a model's attention runs with: the config's matmul precision and blocks (sa_block_q,
-    sa_block_kv), and the given fields (window, cap, ...)."""
+    """The settings a model's attention runs with: the config's matmul precision, score dtype (float32_qk_product,
+    float32_logits) and blocks (sa_block_q, sa_block_kv), and the given fields (window, cap, ...)."""
     fields = {
       "precision": PRECISIONS[config.matmul_precision],
+      "float32_qk_product": config.float32_qk_product,
+      "float32_logits": config.float32_logits,
       "block_q": config.sa_block_q,
       "block_kv": config.sa_block_kv,
       **fields,
@@ -154,13 +162,28 @@ def chunk_segment_ids(segment_ids: jax.Array, positions: jax.Array, chunk) -> ja
   return jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), jnp.cumsum(starts, axis=1, dtype=segment_ids.dtype)], 1)
 
 
+def dense_scores(spec: str, q: jax.Array, k: jax.Array, settings: AttentionSettings) -> jax.Array:
+  """The dense kernels' attention logits, q.k by the einsum `spec`, soft-capped, as MaxText's dot-product attention
+  computes them (AttentionOp.apply_attention_dot). By default in the activation dtype: the matmul accumulates in
+  float32 (TPU's MXU, GPUs, XLA on the CPU) and rounds once, so bf16 scores are within half a bf16 ulp of the exact
+  product of the bf16 inputs, at half the memory of float32 ones (the [length, length] scores are dot_product's
+  largest buffer). float32_qk_product: the product computed and kept in float32 (bf16 x bf16 products are exact in
+  float32, so this equals casting q and k first, without their float32 copies); float32_logits: the scores cast to
+  float32 after the cap, so the mask and softmax run in float32."""
+  f32 = jnp.float32 if settings.float32_qk_product else None
+  logits = soft_cap(jnp.einsum(spec, q, k, precision=settings.precision, preferred_element_type=f32), settings.cap)
+  return logits.astype(jnp.float32) if settings.float32_logits else logits
+
+
 def sink_softmax(logits: jax.Array, sinks: jax.Array | None) -> jax.Array:
-  """softmax over the last axis of `logits` [..., q, k] (float32) with one more logit per head, the head's sink,
-  whose weight is dropped (gpt-oss's attention sinks): exp(l) / (sum exp(l) + exp(sink)). `sinks` has the shape
-  of logits' head axes just before [q, k] ([heads], or [kv_heads, group] for grouped queries); None: plain softmax."""
+  """softmax over the last axis of `logits` [..., q, k], in their dtype, with one more logit per head, the head's
+  sink, whose weight is dropped (gpt-oss's attention sinks): exp(l) / (sum exp(l) + exp(sink)). `sinks` has the
+  shape of logits' head axes just before [q, k] ([heads], or [kv_heads, group] for grouped queries); None: plain
+  softmax. In bf16 it stays sane as MaxText's does: the row maximum is subtracted before exp, and the sum of the
+  exponentials accumulates in float32 (jnp.sum's, rounded once)."""
   if sinks is None:
     return jax.nn.softmax(logits, axis=-1)
-  sink = jnp.broadcast_to(sinks.astype(jnp.float32)[..., None, None], (*logits.shape[:-1], 1))
+  sink = jnp.broadcast_to(sinks.astype(logits.dtype)[..., None, None], (*logits.shape[:-1], 1))
   return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
 
 

@@ -40,20 +40,25 @@ def _pad_last(x: jax.Array, size: int) -> jax.Array:
   return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def latent_cached_attention(q_latent, q_pe, latent, k_pe, *, cache, cache_mask, positions, precision):
+def latent_cached_attention(q_latent, q_pe, latent, k_pe, *, cache, cache_mask, positions, settings: AttentionSettings):
   """New tokens attending to the latent cache and to each other; returns the weighted latents.
 
   q_latent [batch, t, heads, kv_lora_rank] (the query's no-RoPE part times W_k^T) and q_pe [batch, t, heads,
   rope_dim], both scaled; latent [batch, t, 1, kv_lora_rank] and k_pe [batch, t, 1, rope_dim], the new tokens';
   cache (latent, k_pe) [batch, cache_len, 1, ...] with cache_mask [batch, cache_len]; positions [batch, t] (a new
-  token sees the new tokens at or before its position). Returns sum_s w_s c_s, [batch, t, heads, kv_lora_rank], in
-  the latent's dtype: one softmax over [cache slots, new tokens].
+  token sees the new tokens at or before its position); settings: the precision and the score dtype
+  (float32_qk_product, float32_logits), as the full forward's dot_product (attention_masks.dense_scores). Returns
+  sum_s w_s c_s, [batch, t, heads, kv_lora_rank], in the latent's dtype: one softmax over [cache slots, new tokens].
   """
+  precision = settings.precision
 
-  def scores(c, pe):  # [batch, heads, t, slots] in float32
+  def scores(c, pe):  # [batch, heads, t, slots]: the two parts of one q.k, summed in float32 and rounded once
     nope = jnp.einsum("bthr,bsr->bhts", q_latent, c[:, :, 0], precision=precision, preferred_element_type=jnp.float32)
     rope = jnp.einsum("bthp,bsp->bhts", q_pe, pe[:, :, 0], precision=precision, preferred_element_type=jnp.float32)
-    return nope + rope
+    logits = nope + rope
+    if not settings.float32_qk_product:
+      logits = logits.astype(q_latent.dtype)
+    return logits.astype(jnp.float32) if settings.float32_logits else logits
 
   cache_latent, cache_pe = cache
   past = jnp.where(cache_mask[:, None, None, :], scores(cache_latent, cache_pe), MASK_VALUE)
@@ -119,7 +124,7 @@ class MLA(nn.Module):
         cache=(cache_latent, cache_pe),
         cache_mask=cache_mask,
         positions=positions,
-        precision=precision,
+        settings=AttentionSettings.from_config(cfg),
       )
       out = jnp.einsum("bthr,rhv->bthv", ctx, w[..., nope:], precision=precision)
     else:

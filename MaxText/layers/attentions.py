@@ -9,7 +9,14 @@ from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
 from MaxText.layers import context_parallel, kv_cache
-from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, sink_softmax, soft_cap, within_chunk, within_window
+from MaxText.layers.attention_masks import (
+  MASK_VALUE,
+  AttentionSettings,
+  dense_scores,
+  sink_softmax,
+  within_chunk,
+  within_window,
+)
 from MaxText.layers.embeddings import apply_rope, rope_frequencies, rope_scale
 from MaxText.layers.linears import DenseGeneral, fused_projection
 from MaxText.layers.normalizations import RMSNorm
@@ -22,13 +29,14 @@ def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, po
   values) [batch, cache_len, kv_heads, head_dim]; cache_mask: [batch, cache_len] bool, the slots holding this row's
   earlier tokens; positions [batch, t] and cache_positions [batch, cache_len], the token positions (a new token sees
   the new tokens at or before its position, and the window and chunk apply to both parts); settings: window,
-  chunk, sinks, cap, precision. The cache is read in place (the new tokens are not written into it here): one
-  softmax over [cache slots, new tokens]. Local (windowed, chunked) layers keep every slot too: the cache is one
-  array stacked over the scanned layers, so no layer can hold a shorter ring buffer (README, Attention kernels);
-  the masks here keep the answer exact.
+  chunk, sinks, cap, precision, and the score dtype (float32_qk_product, float32_logits) as dot_product's, so a
+  decode step computes what the full forward does. The cache is read in place (the new tokens are not written into
+  it here): one softmax over [cache slots, new tokens]. Local (windowed, chunked) layers keep every slot too: the
+  cache is one array stacked over the scanned layers, so no layer can hold a shorter ring buffer (README, Attention
+  kernels); the masks here keep the answer exact.
   """
   cache_k, cache_v = cache
-  precision, window, cap = settings.precision, settings.window, settings.cap
+  precision, window = settings.precision, settings.window
   b, t, h, d = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
@@ -38,12 +46,12 @@ def cached_attention(q, k, v, cache, cache_mask, settings: AttentionSettings, po
     k_pos = k_pos[:, None, :]
     return within_window(q_pos, k_pos, window) & within_chunk(q_pos, k_pos, settings.chunk)
 
-  past = jnp.einsum("btkgd,bskd->bkgts", q, cache_k, precision=precision, preferred_element_type=jnp.float32)
+  past = dense_scores("btkgd,bskd->bkgts", q, cache_k, settings)
   past_mask = cache_mask[:, None, :] & visible(cache_positions)
-  past = jnp.where(past_mask[:, None, None], soft_cap(past, cap), MASK_VALUE)
-  own = jnp.einsum("btkgd,bukd->bkgtu", q, k, precision=precision, preferred_element_type=jnp.float32)
+  past = jnp.where(past_mask[:, None, None], past, MASK_VALUE)
+  own = dense_scores("btkgd,bukd->bkgtu", q, k, settings)
   own_mask = (positions[:, :, None] >= positions[:, None, :]) & visible(positions)
-  own = jnp.where(own_mask[:, None, None], soft_cap(own, cap), MASK_VALUE)
+  own = jnp.where(own_mask[:, None, None], own, MASK_VALUE)
   sinks = None if settings.sinks is None else settings.sinks.reshape(kv, h // kv)
   weights = sink_softmax(jnp.concatenate([past, own], axis=-1), sinks).astype(v.dtype)
   slots = cache_k.shape[1]

@@ -1,11 +1,13 @@
 """Attention kernels against the reference `dot_product_attention`: outputs and gradients, on the CPU.
 
-Every comparison runs both sides on the same float32 inputs at HIGHEST matmul precision, over GQA, packed
-documents with padding, sliding windows (static and traced), soft caps and lengths that are not a multiple of the
-block. The gradient is that of sum(out * w) for a fixed random w, with respect to q, k and v (and the sinks).
-Chunked attention and attention sinks are also checked against a float64 NumPy reference written out here. Splash
-runs in Pallas interpret mode; cuDNN's numerics need a GPU (skipped here), but its argument plumbing runs through
-`jax.nn.dot_product_attention`'s XLA path, and its refusals are checked on the CPU.
+Every comparison runs both sides on the same float32 inputs at HIGHEST matmul precision (the reference with float32
+scores, F32_SCORES, which float32 inputs give anyway), over GQA, packed documents with padding, sliding windows
+(static and traced), soft caps and lengths that are not a multiple of the block. The gradient is that of
+sum(out * w) for a fixed random w, with respect to q, k and v (and the sinks). Chunked attention and attention
+sinks are also checked against a float64 NumPy reference written out here. Splash runs in Pallas interpret mode;
+cuDNN's numerics need a GPU (skipped here), but its argument plumbing runs through `jax.nn.dot_product_attention`'s
+XLA path, and its refusals are checked on the CPU. dot_product's own score dtype (MaxText's float32_qk_product and
+float32_logits) is checked in bf16 against float64.
 """
 
 import functools
@@ -23,6 +25,7 @@ from MaxText.common_types import ConfigError
 from MaxText.layers import attention_kernels as ak
 from MaxText.layers import attention_splash
 from MaxText.layers.attention_kernels import AttentionSettings
+from MaxText.layers.attention_masks import dense_scores
 from MaxText.tests.helpers import BASE_YML
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -30,13 +33,16 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # splash ~6e-7 and ~3e-6. Both are reorderings of float32 sums over <= 256 keys, whose rounding is a few 1e-7
 # relative; the bounds leave ~3x headroom and stay 100x below any masking or scaling error (>= 1e-3).
 FWD_ATOL, GRAD_ATOL = 2e-6, 1e-5
+# dot_product as the reference: float32 scores and softmax whatever the inputs' dtype (MaxText's keys; with the
+# defaults, false, bf16 inputs would give bf16 scores, a weaker reference than the kernels it judges).
+F32_SCORES = {"float32_qk_product": True, "float32_logits": True}
 
 
 def _config(**overrides):
   """The fields the kernels read, at base.yml's defaults, with 128-token splash blocks for short test lengths."""
   with open(BASE_YML, encoding="utf-8") as f:
     base = yaml.safe_load(f)
-  values = {name: value for name, value in base.items() if name.startswith("sa_")}
+  values = {name: value for name, value in base.items() if name.startswith(("sa_", "float32_"))}
   values.update({name: 128 for name in values if name.startswith("sa_block")})
   values.update(
     attention="autoselected",
@@ -101,7 +107,7 @@ def _assert_as_accurate(got, bf16, exact):
 
 
 def _reference(window=0, cap=0.0):
-  settings = AttentionSettings(window=window, cap=cap, precision=HIGHEST)
+  settings = AttentionSettings(window=window, cap=cap, precision=HIGHEST, **F32_SCORES)
   return lambda q, k, v, seg, pos: ak.dot_product_attention(q, k, v, seg, pos, settings)
 
 
@@ -146,7 +152,7 @@ def test_blockwise_traced_window_in_scan():
     return ak.blockwise_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST, block_q=16, block_kv=16))
 
   def reference(q, k, v, seg, pos, window):
-    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST))
+    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST, **F32_SCORES))
 
   want = _out_and_grads(layers(reference, [12, 0]), q, k, v, w, seg, pos)
   _assert_close(_out_and_grads(layers(blockwise, [12, 0]), q, k, v, w, seg, pos), want)
@@ -266,7 +272,8 @@ def _settings_reference(window=0, chunk=0):
   """dot_product with sinks as an argument: (q, k, v, sinks, seg, pos) -> out."""
 
   def attention(q, k, v, sinks, seg, pos):
-    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, chunk, sinks, precision=HIGHEST))
+    settings = AttentionSettings(window, chunk, sinks, precision=HIGHEST, **F32_SCORES)
+    return ak.dot_product_attention(q, k, v, seg, pos, settings)
 
   return attention
 
@@ -346,7 +353,8 @@ def test_blockwise_traced_chunk_and_sinks_in_scan():
     return ak.blockwise_attention(q, k, v, seg, pos, settings)
 
   def reference(q, k, v, seg, pos, chunk, sinks):
-    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(chunk=chunk, sinks=sinks, precision=HIGHEST))
+    settings = AttentionSettings(chunk=chunk, sinks=sinks, precision=HIGHEST, **F32_SCORES)
+    return ak.dot_product_attention(q, k, v, seg, pos, settings)
 
   want = _out_and_all_grads(layers(reference, [8, 0]), q, k, v, sinks, w, seg, pos)
   _assert_all_close(_out_and_all_grads(layers(blockwise, [8, 0]), q, k, v, sinks, w, seg, pos), want)
@@ -374,6 +382,140 @@ def test_decode_step_with_chunks_and_sinks_equals_the_full_forward():
   np.testing.assert_allclose(got[:, 0], full[:, -1], atol=FWD_ATOL, rtol=0)
   want = _numpy_attention(q, k, v, seg, pos, settings.sinks, chunk=8)[:, -1]
   np.testing.assert_allclose(got[:, 0], want, atol=FWD_ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------- score dtype (float32_qk_product, float32_logits)
+# MaxText's keys for the dense kernels: both false (the default), bf16 activations give bf16 scores and a bf16 softmax;
+# float32_qk_product computes q.k in float32, float32_logits casts the scores to float32 before the softmax. Checked
+# against the float64 product and attention of the same bf16 values, with bounds that follow from bf16's unit
+# roundoff U = 2**-8 (8 significant bits, round to nearest) and float32 accumulation (d terms: d * 2**-24 * sum |q k|).
+U = 2.0**-8
+KEY_SETTINGS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+def _scaled_bf16(batch=2, length=37, heads=4, kv_heads=2, docs=(10, 15)):
+  """bf16 inputs whose logits reach ~20 (q 4x _inputs'), so bf16 rounding of a score (up to 0.08) shows."""
+  q, k, v, w, seg, pos = _inputs(batch, length, heads, kv_heads, docs=docs, dtype=jnp.bfloat16)
+  return (q * 4).astype(jnp.bfloat16), k, v, w, seg, pos
+
+
+@pytest.mark.parametrize("qk,logits", KEY_SETTINGS)
+def test_dense_scores_follow_the_keys(qk, logits):
+  """attention_masks.dense_scores of bf16 q, k: with float32_qk_product float32 scores within float32 accumulation
+  error of the exact product (bf16 x bf16 products are exact in float32), which rules out any bf16 rounding (up to
+  U relative); without it the product rounded once to bf16 (within U relative plus that accumulation error, every
+  value a bf16 number, and some really rounded), in bf16, or in float32 with float32_logits."""
+  q, k, *_ = _scaled_bf16()
+  k = jnp.repeat(k, 2, axis=2)  # one kv head per query head: the plain "bthd,bshd" product
+  settings = AttentionSettings(float32_qk_product=qk, float32_logits=logits)
+  got = dense_scores("bthd,bshd->bhts", q, k, settings)
+  assert got.dtype == (jnp.float32 if qk or logits else jnp.bfloat16)
+  q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  exact = np.einsum("bthd,bshd->bhts", q64, k64)
+  accumulation = q.shape[-1] * 2.0**-24 * np.einsum("bthd,bshd->bhts", np.abs(q64), np.abs(k64))
+  err = np.abs(np.asarray(got, np.float64) - exact)
+  assert np.abs(exact).max() > 15  # scores large enough for bf16 rounding to matter
+  if qk:
+    assert (err <= accumulation).all(), err.max()
+    return
+  assert (err <= U * np.abs(exact) + accumulation).all(), (err / np.abs(exact)).max()
+  as_bf16 = np.asarray(got.astype(jnp.bfloat16), np.float64)
+  np.testing.assert_array_equal(np.asarray(got, np.float64), as_bf16)
+  assert (err > accumulation).mean() > 0.5  # most scores were rounded
+
+
+@pytest.mark.parametrize("qk,logits", KEY_SETTINGS)
+def test_dot_product_score_dtype_against_float64(qk, logits):
+  """dot_product on bf16 inputs (GQA, packed documents) against float64 attention of the same values, element by
+  element: |out - ref| <= rel * sum_s w_s |v_s| + U |ref|, rel = exp(2 eta) (1 + U)^4 - 1, where eta bounds a
+  score's own error (a shift common to a row cancels in the softmax): float32 scores, eta = 0; bf16 scores, eta =
+  U S (S = the largest |score|); bf16 scores and a bf16 softmax, eta = 3 U S (the subtraction of the row maximum
+  rounds too); the (1 + U)^4 and U |ref| are bf16's rounding of exp, sum, division or weights, and of the output.
+  With bf16 scores the error also exceeds the float32-score bound somewhere: the keys do what they say."""
+  q, k, v, _, seg, pos = _scaled_bf16()
+  settings = AttentionSettings(precision=HIGHEST, float32_qk_product=qk, float32_logits=logits)
+  got = np.asarray(jax.jit(ak.dot_product_attention, static_argnums=5)(q, k, v, seg, pos, settings), np.float64)
+  ref = _numpy_attention(q, k, v, seg, pos)
+  weighted = _numpy_attention(q, k, jnp.abs(v), seg, pos)  # sum_s w_s |v_s|: the weights are >= 0
+  q64, k64 = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, axis=2)
+  largest = np.abs(np.einsum("bthd,bshd->bhts", q64, k64)).max()
+
+  def bound(eta):
+    return (np.exp(2 * eta) * (1 + U) ** 4 - 1) * weighted + U * np.abs(ref)
+
+  eta = 0.0 if qk else (U if logits else 3 * U) * largest
+  err = np.abs(got - ref)
+  assert (err <= bound(eta)).all(), (err - bound(eta)).max()
+  if not qk:
+    assert (err > bound(0.0)).any(), "bf16 scores should be less accurate than float32 ones"
+
+
+@pytest.mark.parametrize("qk,logits", KEY_SETTINGS[1:])
+def test_float32_activations_ignore_the_keys(qk, logits):
+  """dtype=float32: the scores are float32 whatever the keys say, so outputs and gradients are bit for bit the
+  defaults'."""
+  q, k, v, w, seg, pos = _inputs(2, 37, 4, 2)
+
+  def attention(settings):
+    return lambda q, k, v, seg, pos: ak.dot_product_attention(q, k, v, seg, pos, settings)
+
+  want = _out_and_grads(attention(AttentionSettings()), q, k, v, w, seg, pos)
+  got = _out_and_grads(attention(AttentionSettings(float32_qk_product=qk, float32_logits=logits)), q, k, v, w, seg, pos)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(g, r)
+
+
+def test_decode_follows_the_keys_as_the_full_forward_does():
+  """bf16, a chunked layer with sinks: a decode step (attentions.cached_attention) with the keys off gives the full
+  forward's last position with them off, and with them on the full forward's with them on, within 3 U sum_s w_s
+  |v_s| (the step rounds its cache and new-token parts and their sum to bf16, the forward its one sum); the two
+  settings differ by more than that, so a decode path that ignored the keys would fail here."""
+  from MaxText.layers.attentions import cached_attention
+
+  q, k, v, _, seg, pos = _scaled_bf16(length=29, docs=(10, 12))
+  cache_mask = seg[:, :-1] == seg[:, -1:]
+  sinks = _sinks(4)
+  weighted = _numpy_attention(q, k, jnp.abs(v), seg, pos, sinks, chunk=8)[:, -1]  # sum_s w_s |v_s|
+  outs = {}
+  for keys in ({}, F32_SCORES):
+    settings = AttentionSettings(chunk=8, sinks=sinks, precision=HIGHEST, **keys)
+    full = jax.jit(lambda q, k, v, seg, pos, s=settings: ak.dot_product_attention(q, k, v, seg, pos, s))
+    step = jax.jit(lambda q, k, v, cache, mask, p, cp, s=settings: cached_attention(q, k, v, cache, mask, s, p, cp))
+    want = np.asarray(full(q, k, v, seg, pos)[:, -1], np.float64)
+    got = np.asarray(step(q[:, -1:], k[:, -1:], v[:, -1:], (k[:, :-1], v[:, :-1]), cache_mask, pos[:, -1:], pos[:, :-1]))
+    assert (np.abs(got[:, 0] - want) <= 3 * U * weighted).all(), (bool(keys), np.abs(got[:, 0] - want).max())
+    outs[bool(keys)] = want
+  assert (np.abs(outs[True] - outs[False]) > 3 * U * weighted).any()
+
+
+def test_the_keys_change_no_other_kernel():
+  """Blockwise, splash and cuDNN keep float32 scores and softmax statistics in their tiles: with bf16 inputs the
+  keys leave what they compute unchanged (the same jaxpr, keys on and off)."""
+  q, k, v, _, seg, pos = _inputs(1, 256, 2, 1, docs=(150,), dtype=jnp.bfloat16)
+  cfg = _config()
+
+  def kernels(keys):
+    on = AttentionSettings.from_config(cfg, interpret=True, **keys)
+    return {
+      "blockwise": lambda q, k, v, seg, pos: ak.blockwise_attention(q, k, v, seg, pos, on),
+      "splash": lambda q, k, v, seg, pos: ak.splash_attention(q, k, v, seg, pos, on),
+      "cudnn": lambda q, k, v, seg, pos: ak.cudnn_attention(q, k, v, seg, pos, on, implementation="xla"),
+    }
+
+  off, on = kernels({}), kernels(F32_SCORES)
+  for name in off:
+    assert str(jax.make_jaxpr(off[name])(q, k, v, seg, pos)) == str(jax.make_jaxpr(on[name])(q, k, v, seg, pos)), name
+
+
+def test_the_keys_reach_the_kernels_from_the_config():
+  """base.yml's defaults are MaxText's (false, false); set on the command line, AttentionSettings.from_config
+  carries them to the kernels."""
+  from MaxText.tests.helpers import config
+
+  default = AttentionSettings.from_config(config())
+  assert (default.float32_qk_product, default.float32_logits) == (False, False)
+  both = AttentionSettings.from_config(config("float32_qk_product=true", "float32_logits=true"))
+  assert (both.float32_qk_product, both.float32_logits) == (True, True)
 
 
 # ---------------------------------------------------------------------------------------------------- splash
@@ -409,7 +551,7 @@ def test_splash_traced_window_switches_kernels():
     )
   )
   for window in (cfg.sliding_window_size, 0, 24):
-    want = ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST))
+    want = ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, precision=HIGHEST, **F32_SCORES))
     got = splash(q, k, v, seg, pos, jnp.asarray(window, jnp.int32))
     np.testing.assert_allclose(got, want, atol=FWD_ATOL, rtol=0, err_msg=f"window={window}")
 
@@ -456,7 +598,7 @@ def test_splash_sinks_in_bfloat16_under_a_traced_window_keep_a_float32_gradient(
     return ak.splash_attention(q, k, v, seg, pos, settings)
 
   def reference(q, k, v, sinks, seg, pos, window):
-    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, 0, sinks, precision=HIGHEST))
+    return ak.dot_product_attention(q, k, v, seg, pos, AttentionSettings(window, 0, sinks, precision=HIGHEST, **F32_SCORES))
 
   for window in (40, 0):
     got = jax.jit(jax.grad(functools.partial(loss, splash)))(sinks, jnp.int32(window))
