@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from MaxText import common_types as ct
@@ -93,7 +94,6 @@ def _splash_one_device(q, k, v, segment_ids, sinks, block_sizes, settings: Atten
   """Splash on one device's shard: q [batch, heads, length, head_dim], k, v [batch, kv_heads, length, head_dim],
   segment_ids [batch, length]; sinks [heads] float32 or None; `window` a python int (the settings' cap and interpret
   apply)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
   heads, length = q.shape[1], q.shape[2]
@@ -102,22 +102,162 @@ def _splash_one_device(q, k, v, segment_ids, sinks, block_sizes, settings: Atten
     mask = splash_mask.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
   else:
     mask = splash_mask.CausalMask((length, length))
-  mqa = k.shape[1] == 1
-  make = splash.make_splash_mqa if mqa else splash.make_splash_mha
-  kernel = make(
-    splash_mask.MultiHeadMask((mask,) * heads),
-    block_sizes=block_sizes,
-    attn_logits_soft_cap=settings.cap if settings.cap > 0 else None,
-    head_shards=1,
-    q_seq_shards=1,
-    interpret=settings.interpret,
-  )
+  kernel = splash_kernel(KernelSpec(mask, heads, k.shape[1] == 1, block_sizes, settings.cap, settings.interpret))
+  return run_splash(kernel, q, k, v, segment_ids, segment_ids, sinks)
+
+
+def index_mask(q_index, k_index, window: int = 0):
+  """A splash mask (splash_attention_mask.Mask) by each token's index in the whole sequence: query i sees key j when
+  q_index[i] >= k_index[j] and, with a window > 0, q_index[i] - k_index[j] < window. Context parallelism's pieces
+  are runs of the sequence (a device's queries against the gathered keys, or one ring step's key piece), so their
+  indices need not start at 0 nor be contiguous."""
+  return _index_mask_class()(np.asarray(q_index, np.int64), np.asarray(k_index, np.int64), int(window))
+
+
+@functools.cache
+def _index_mask_class():
+  """`index_mask`'s class, a subclass of splash's Mask, defined on first use so that importing this module does not
+  load Pallas. A block is classified from its indices' extremes first, so building a kernel's block tables stays
+  fast at 128k tokens; only partial blocks are computed elementwise."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+  class IndexMask(splash_mask.Mask):
+    def __init__(self, q_index: np.ndarray, k_index: np.ndarray, window: int):
+      self.q_index, self.k_index, self.window = q_index, k_index, window
+      self._key = (q_index.tobytes(), k_index.tobytes(), window)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+      return (len(self.q_index), len(self.k_index))
+
+    def __getitem__(self, idx) -> np.ndarray:
+      q, k = np.atleast_1d(self.q_index[idx[0]]), np.atleast_1d(self.k_index[idx[1]])
+      lo, hi = q.min() - k.max(), q.max() - k.min()  # the range of q - k over the block
+      if hi < 0 or 0 < self.window <= lo:
+        return np.zeros((len(q), len(k)), np.bool_)
+      if lo >= 0 and (self.window <= 0 or hi < self.window):
+        return np.ones((len(q), len(k)), np.bool_)
+      d = q[:, None] - k[None, :]
+      return (d >= 0) & ((d < self.window) if self.window > 0 else True)
+
+    def __eq__(self, other) -> bool:
+      return isinstance(other, IndexMask) and self._key == other._key
+
+    def __hash__(self) -> int:
+      return hash(self._key)
+
+  return IndexMask
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+  """What a splash kernel is built from (hashable: kernels are cached by it). mask: a 2-D splash mask [q_len,
+  k_len], the same for every head; mqa: one kv head (splash's MQA kernel); q_seq_shards: the kernel's queries are
+  split over that many devices (its block tables then split with them, see `kernel_specs`); save_residuals: the
+  forward also returns the logsumexp [heads, q_len] (context parallelism's ring merges partial results by it)."""
+
+  mask: object
+  heads: int
+  mqa: bool
+  block_sizes: object
+  cap: float = 0.0
+  interpret: bool = False
+  q_seq_shards: int = 1
+  save_residuals: bool = False
+
+
+@functools.lru_cache(maxsize=64)
+def splash_kernel(spec: KernelSpec):
+  """The splash kernel of `spec`, built once per spec: the block tables of a long sequence take seconds of NumPy.
+  Its tables are concrete arrays (built outside any trace), so that one kernel serves every trace."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+  make = splash.make_splash_mqa if spec.mqa else splash.make_splash_mha
+  with jax.ensure_compile_time_eval():
+    return make(
+      splash_mask.MultiHeadMask((spec.mask,) * spec.heads),
+      block_sizes=spec.block_sizes,
+      attn_logits_soft_cap=spec.cap if spec.cap > 0 else None,
+      head_shards=1,
+      q_seq_shards=spec.q_seq_shards,
+      save_residuals=spec.save_residuals,
+      interpret=spec.interpret,
+    )
+
+
+def kernel_specs(kernel, mesh, axes):
+  """shard_map's in_specs for a kernel built with q_seq_shards over the mesh `axes` (the devices' queries in their
+  order along those axes): its block tables split by query block, as splash's manual_sharding_spec gives."""
+  from jax.sharding import NamedSharding
+
+  return kernel.manual_sharding_spec(NamedSharding(mesh, PartitionSpec(None, axes)))
+
+
+def run_splash(kernel, q, k, v, q_ids, kv_ids, sinks=None):
+  """`kernel` over a batch: q [batch, heads, q_len, head_dim], k, v [batch, kv_heads, k_len, head_dim] (one kv head
+  for an MQA kernel), segment ids q_ids [batch, q_len], kv_ids [batch, k_len]; sinks [heads] float32 or None (their
+  gradient comes back float32). Returns out [batch, heads, q_len, head_dim] (with the kernel's save_residuals,
+  (out, logsumexp [batch, heads, q_len]))."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+  if kernel.kwargs["is_mqa"]:
+    k, v = k[:, 0], v[:, 0]
+  ids = splash.SegmentIds(q_ids, kv_ids)
+  if sinks is None:
+    out = jax.vmap(kernel)(q, k, v, ids)
+  else:
+    out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, _gradient_in_float32(sinks))
+  if kernel.kwargs["save_residuals"]:
+    out, (lse,) = out
+    return out, lse
+  return out
+
+
+def splash_backward_available() -> bool:
+  """Whether this jax's splash exposes its backward (`_splash_attention_bwd`), which `splash_backward` calls."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+  return callable(getattr(splash, "_splash_attention_bwd", None))
+
+
+def splash_backward(kernel, q, k, v, ids, forward, d_out):
+  """(dq, dk, dv) of splash's backward kernels given the segment ids (q_ids, kv_ids) and the forward (out [batch,
+  heads, q_len, head_dim], logsumexp [batch, heads, q_len]) of a forward over MORE keys than k, v (context
+  parallelism's ring: the merged output and logsumexp of all pieces, sinks included): each block's probabilities
+  exp(s - lse) and the softmax backward's rowsum(d_out * out) are then the whole softmax's, so the result is exactly
+  the gradient through these keys (as FlashAttention-2's backward, attention_blockwise.blockwise_backward). Shapes
+  as `run_splash`; the kernel's block tables and tiles apply. splash's public kernel cannot do this: its VJP
+  differentiates its own output only, and its residual-saving form has none, so this calls the module's backward
+  (`splash_backward_available`)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+  kw = kernel.kwargs
+  mqa = kw["is_mqa"]
+  (q_ids, kv_ids), (out, lse) = ids, forward
   if mqa:
     k, v = k[:, 0], v[:, 0]
-  ids = splash.SegmentIds(segment_ids, segment_ids)
-  if sinks is None:
-    return jax.vmap(kernel)(q, k, v, ids)
-  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, ids, _gradient_in_float32(sinks))
+
+  def one(q, k, v, q_ids, kv_ids, out, lse, d_out):
+    residuals = (q, k, v, splash.SegmentIds(q_ids, kv_ids), None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
+    grads = splash._splash_attention_bwd(  # noqa: SLF001 (see the docstring)
+      False,
+      kw["mask_value"],
+      mqa,
+      kw["block_sizes"],
+      None,
+      kw["mask_function"],
+      kw["attn_logits_soft_cap"],
+      kw["interpret"],
+      residuals,
+      d_out,
+    )
+    return grads[3:6]
+
+  dq, dk, dv = jax.vmap(one)(q, k, v, q_ids, kv_ids, out, lse, d_out)
+  if mqa:
+    dk, dv = dk[:, None], dv[:, None]
+  return dq, dk, dv
 
 
 @jax.custom_vjp

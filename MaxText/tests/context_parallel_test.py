@@ -1,8 +1,8 @@
 """Context parallelism: sequences split over 2, 4 and 8 devices give the attention, losses and gradients of one.
 
 Kernels are compared with the reference `dot_product_attention` on the same float32 inputs at HIGHEST precision,
-as in attention_kernels_test (packed documents with padding, sliding windows, soft caps, GQA); the model with the
-same loss on one device without a mesh.
+as in attention_kernels_test (packed documents with padding, sliding windows, soft caps, GQA), splash (TPU's flash)
+in Pallas interpret mode; the model with the same loss on one device without a mesh.
 """
 
 import jax
@@ -151,6 +151,141 @@ def test_split_attention_with_chunks_and_sinks_equals_the_reference(
   want = _out_and_all_grads(_settings_reference(window, chunk), q, k, v, sinks, w, seg, pos)
   out, (dq, dk, dv, d_sinks) = want
   _assert_all_close(got, (out[:, order], (dq[:, order], dk[:, order], dv[:, order], d_sinks)))
+
+
+# Splash (TPU's flash kernel) under context parallelism, in Pallas interpret mode: pieces of 128 tokens (splash's
+# lanes) in 128-token tiles, so a load-balanced piece's two chunks of 64 share a tile. No query sums over more than
+# 256 keys (a causal mask at 256 tokens, or a window), the regime attention_kernels_test's tolerances are measured in.
+SPLASH_BLOCKS = [f"{name}=128" for name in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv")]
+SPLASH_BLOCKS += [
+  f"{name}=128" for name in ("sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+]
+
+
+def _splash_config(degree, *args):
+  return _mesh_config(degree, f"max_target_length={128 * degree}", "attention=flash", *SPLASH_BLOCKS, *args)
+
+
+def _runs_splash(attention, *args) -> bool:
+  """Whether the traced program holds a Pallas kernel (splash), not only blockwise attention's plain JAX."""
+  return "pallas_call" in str(jax.make_jaxpr(attention)(*args))
+
+
+# (degree, strategy, load balance, kv heads, window, cap, fused backward): each strategy balanced and not, MQA and
+# GQA, a window within a piece and one across pieces (150 > 128), soft caps, both splash backwards.
+SPLASH_CASES = [
+  (2, "all_gather", False, 2, 0, 0.0, False),
+  (4, "all_gather", True, 1, 40, 3.0, True),
+  (2, "ring", False, 2, 0, 0.0, True),
+  (4, "ring", True, 2, 40, 3.0, False),
+  (4, "ring", False, 1, 150, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("degree,strategy,balanced,kv_heads,window,cap,fused", SPLASH_CASES)
+def test_splash_split_attention_equals_the_reference(degree, strategy, balanced, kv_heads, window, cap, fused):
+  """Splash runs (a Pallas kernel in the program) and equals the reference; row 0 packs documents of 100, 30 and
+  106 tokens then padding, across the pieces."""
+  cfg, mesh = _splash_config(
+    degree,
+    f"context_parallel_strategy={strategy}",
+    f"context_parallel_load_balance={str(balanced).lower()}",
+    f"sa_use_fused_bwd_kernel={str(fused).lower()}",
+  )
+  length = 128 * degree
+  q, k, v, w, seg, pos = _inputs(4, length, 4, kv_heads, docs=(100, 30, 106))
+  order = cp.load_balanced_order(length, degree) if balanced else np.arange(length)
+
+  def split(q, k, v, seg, pos):
+    settings = AttentionSettings.from_config(cfg, window=window, cap=cap, interpret=True)
+    return cp.attend(q, k, v, seg, pos, settings, mesh=mesh)
+
+  args = [x[:, order] for x in (q, k, v, w, seg, pos)]
+  assert _runs_splash(split, *args[:3], *args[4:])
+  got = _out_and_grads(split, *args)
+  want = _out_and_grads(_reference(window, cap), q, k, v, w, seg, pos)
+  _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+@pytest.mark.parametrize("strategy,balanced,chunk,traced", [("all_gather", True, 48, True), ("ring", False, 48, False)])
+def test_splash_split_attention_with_chunks_sinks_and_tensor_heads(strategy, balanced, chunk, traced):
+  """context=4 x tensor=2 (each device holds its heads' sinks), a window of 40 inside Llama 4's chunks of 48 (which
+  restart mid-piece with row 0's documents): output and the gradients of q, k, v and the sinks equal the
+  reference's, through splash."""
+  cfg, mesh = _splash_config(
+    4,
+    "ici_tensor_parallelism=2",
+    f"context_parallel_strategy={strategy}",
+    f"context_parallel_load_balance={str(balanced).lower()}",
+  )
+  q, k, v, w, seg, pos = _inputs(4, 512, 4, 2, docs=(100, 30, 106))
+  sinks = _sinks(4)
+  order = cp.load_balanced_order(512, 4) if balanced else np.arange(512)
+
+  def split(q, k, v, sinks, seg, pos, chunk=chunk):
+    settings = AttentionSettings.from_config(cfg, window=40, chunk=chunk, sinks=sinks, interpret=True)
+    return cp.attend(q, k, v, seg, pos, settings, mesh=mesh)
+
+  args = (*(x[:, order] for x in (q, k, v)), sinks, w[:, order], seg[:, order], pos[:, order])
+  extra = [jnp.int32(chunk)] if traced else []
+  assert _runs_splash(split, *args[:4], *args[5:], *extra)
+  got = _out_and_all_grads(split, *args, *extra)
+  out, (dq, dk, dv, d_sinks) = _out_and_all_grads(_settings_reference(40, chunk), q, k, v, sinks, w, seg, pos)
+  _assert_all_close(got, (out[:, order], (dq[:, order], dk[:, order], dv[:, order], d_sinks)))
+
+
+# The ring's case (9 s: three whole rings, each with its backward) is slow-marked; all_gather's is its fast sibling.
+@pytest.mark.parametrize("strategy", ["all_gather", pytest.param("ring", marks=pytest.mark.slow)])
+def test_splash_split_attention_with_a_traced_window(strategy):
+  """A traced window (Gemma 2's scan) switches between splash kernels for 0 and config.sliding_window_size, and runs
+  today's blockwise path for any other value: all three equal the reference."""
+  cfg, mesh = _splash_config(2, f"context_parallel_strategy={strategy}", "sliding_window_size=40")
+  q, k, v, w, seg, pos = _inputs(4, 256, 4, 2, docs=(100, 30, 106))
+  order = cp.load_balanced_order(256, 2)
+
+  def split(q, k, v, seg, pos, window):
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=window, interpret=True), mesh=mesh)
+
+  for window in (40, 0, 24):
+    got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)), jnp.int32(window))
+    want = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
+    _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_splash_over_sequence_and_context_axes(strategy):
+  """sequence=2 x context=2, balanced: the devices' order along both axes is the order of the queries' block tables
+  (all_gather) and of the ring."""
+  cfg, mesh = _splash_config(
+    4, "ici_sequence_parallelism=2", "ici_context_parallelism=2", f"context_parallel_strategy={strategy}"
+  )
+  q, k, v, w, seg, pos = _inputs(4, 512, 4, 2, docs=(100, 30, 106))
+  order = cp.load_balanced_order(512, 4)
+
+  def split(q, k, v, seg, pos):
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=40, interpret=True), mesh=mesh)
+
+  got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)))
+  want = _out_and_grads(_reference(40), q, k, v, w, seg, pos)
+  _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_pieces_that_do_not_fit_splash_fall_back_to_blockwise(strategy):
+  """Pieces of 16 tokens (no multiple of splash's 128 lanes): the blockwise path runs (no Pallas kernel) and equals
+  the reference."""
+  cfg, mesh = _mesh_config(4, "attention=flash", f"context_parallel_strategy={strategy}")
+  q, k, v, w, seg, pos = _inputs(4, LENGTH, 4, 2, docs=(10, 15, 20))
+  order = cp.load_balanced_order(LENGTH, 4)
+
+  def split(q, k, v, seg, pos):
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=9, interpret=True), mesh=mesh)
+
+  args = [x[:, order] for x in (q, k, v, w, seg, pos)]
+  assert not _runs_splash(split, *args[:3], *args[4:])
+  got = _out_and_grads(split, *args)
+  want = _out_and_grads(_reference(9), q, k, v, w, seg, pos)
+  _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
