@@ -95,10 +95,14 @@ def _tiled_bwd(tile, residuals, dy):
 tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool = False) -> jax.Array:
+def megablox_grouped_matmul(
+  x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool = False, zero_rest: bool = True
+) -> jax.Array:
   """grouped_matmul by Pallas megablox (its own backward kernels). The kernels leave the rows past
-  sum(group_sizes) undefined (NaN in interpret mode), forward and backward, so those rows are zeroed on the way
-  in and out (where the gradient of a select does not carry what it drops)."""
+  sum(group_sizes) undefined (NaN in interpret mode), forward and backward, so with zero_rest those rows are zeroed
+  on the way in and out (where the gradient of a select does not carry what it drops). zero_rest=False leaves them
+  undefined, for a caller that never reads them and gives zeros there, as moe's exact-size exchange does: each mask
+  is a copy of the rows, 14 GiB per layer at DeepSeek-V3's expert parallelism of 32 (docs/PERFORMANCE.md)."""
   from jax.experimental.pallas.ops.tpu import megablox
 
   rows, k = x.shape
@@ -107,8 +111,8 @@ def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, 
   in_groups = (jnp.arange(padded) < jnp.sum(group_sizes))[:, None]
   x = jnp.pad(x, ((0, padded - rows), (0, 0)))
   tiling = (tm, min(1024, k), min(1024, w.shape[-1]))
-  y = megablox.gmm(jnp.where(in_groups, x, 0), w, group_sizes, x.dtype, tiling, interpret=interpret)
-  return jnp.where(in_groups, y, 0)[:rows]
+  y = megablox.gmm(jnp.where(in_groups, x, 0) if zero_rest else x, w, group_sizes, x.dtype, tiling, interpret=interpret)
+  return (jnp.where(in_groups, y, 0) if zero_rest else y)[:rows]
 
 
 def tiled_grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) -> jax.Array:
@@ -121,15 +125,23 @@ def tiled_grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: 
   return tiles.scatter(y.astype(x.dtype), x.shape[0])
 
 
-def grouped_matmul(
-  x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str, megablox: bool = False, quantized: bool = False
+def grouped_matmul(  # noqa: PLR0913  (the matmul's three operands and the four choices of its form, all by name)
+  x: jax.Array,
+  w: jax.Array,
+  group_sizes: jax.Array,
+  platform: str,
+  megablox: bool = False,
+  quantized: bool = False,
+  rest_unread: bool = False,
 ) -> jax.Array:
   """x [rows, k] x w [groups, k, n] by groups of rows (see the module docstring), for devices of `platform`.
   quantized: qwix's quantized training intercepts this matmul (layers/quantizations.py), so it must be one of the ops
-  qwix quantizes: ragged_dot, or on the CPU tiled_grouped_dot; megablox's kernel is none (quantizations refuses it)."""
+  qwix quantizes: ragged_dot, or on the CPU tiled_grouped_dot; megablox's kernel is none (quantizations refuses it).
+  rest_unread: the caller gives zeros in the rows past sum(group_sizes) and never reads them in the output or in
+  x's gradient, so megablox may leave them undefined (megablox_grouped_matmul's zero_rest=False)."""
   if platform == "cpu":
     tile = tile_rows(x.shape[0], w.shape[0])
     return (tiled_grouped_dot if quantized else tiled_grouped_matmul)(x, w, group_sizes, tile)
   if platform == "tpu" and megablox:
-    return megablox_grouped_matmul(x, w, group_sizes)
+    return megablox_grouped_matmul(x, w, group_sizes, zero_rest=not rest_unread)
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -7,7 +7,8 @@ The experts run one of three ways, which compute the same function (tests):
     expert, each projection is one grouped matmul over the sorted rows (layers/grouped_matmul.py), and the outputs
     are put back in token order. Each device sorts its own tokens
     (shard_map); with expert parallelism (the `expert` mesh axis) the rows travel to the devices holding their
-    experts and back by all-to-all.
+    experts and back: exactly each device's rows by jax.lax.ragged_all_to_all where the backend has it (TPU;
+    _ragged_exchange_and_run), else by all-to-all of padded buffers (XLA's CPU; _exchange_and_run).
   - capacity (capacity_factor > 0): each expert takes at most C = ceil(k * length / num_experts * capacity_factor)
     assignments of a sequence, in order of position and then of choice (as MaxText; GShard, Lepikhin et al. 2020,
     serves all first choices first); the rest are dropped (they add nothing to the token's output) and counted
@@ -274,8 +275,9 @@ class RoutedExperts(nn.Module):
   def dropless(self, x_BSE, weights_BSK, experts_BSK, w: ExpertWeights) -> jax.Array:
     """The dropless path on each device's tokens (under shard_map when there is a mesh): its (token, choice)
     assignments sorted by expert, grouped matmuls, back to token order. With expert parallelism, each device holds
-    num_experts / ep experts, and the sorted rows go to the devices holding their experts and come back by
-    all-to-all over the expert axis; with tensor parallelism, the partial sums over the moe_mlp shards are added.
+    num_experts / ep experts, and the sorted rows go to the devices holding their experts and come back over the
+    expert axis (by ragged_all_to_all on TPU, by padded all-to-all elsewhere; see DevicePlan); with tensor
+    parallelism, the partial sums over the moe_mlp shards are added.
     `w` has no wo_bias (__call__ adds it)."""
     from MaxText.layers import quantizations  # here: it imports the decoder registry, which imports this module
 
@@ -345,9 +347,17 @@ class DevicePlan:
     sizes_N = jnp.bincount(experts_A, length=self.config.num_experts).astype(jnp.int32)
     x_AE = jnp.take(x_BSE.reshape(b * s, e), order_A // k, axis=0)
 
-    def experts_ffn(rows, group_sizes):
+    ragged = self.ep > 1 and self.platform in RAGGED_EXCHANGE_PLATFORMS
+
+    def experts_ffn(rows, group_sizes, w):
+      # The exact-size exchange gives zeros past the received rows and reads only those rows back (and their
+      # gradients), so the grouped matmuls need not zero the rest.
       matmul = functools.partial(
-        grouped_matmul, platform=self.platform, megablox=self.config.megablox, quantized=self.quantized
+        grouped_matmul,
+        platform=self.platform,
+        megablox=self.config.megablox,
+        quantized=self.quantized,
+        rest_unread=ragged,
       )
       if w.wi_bias is not None:  # each sorted row's expert, by the group sizes (padding rows, past them, the last)
         expert_R = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
@@ -360,9 +370,12 @@ class DevicePlan:
       return matmul(self.gated(rows, w, project), w.wo, group_sizes)
 
     if self.ep == 1:
-      y_AE = experts_ffn(x_AE, sizes_N)
+      y_AE = experts_ffn(x_AE, sizes_N, w)
+    elif ragged:
+      y_AE = _ragged_exchange_and_run(x_AE, sizes_N, ExchangeSetup(self.ep, self.exp_axes, k), experts_ffn, w)
     else:
-      y_AE = _exchange_and_run(x_AE, jnp.take(experts_A, order_A), sizes_N, self.ep, self.exp_axes, experts_ffn)
+      ffn = functools.partial(experts_ffn, w=w)
+      y_AE = _exchange_and_run(x_AE, jnp.take(experts_A, order_A), sizes_N, self.ep, self.exp_axes, ffn)
     y_TKE = jnp.take(y_AE, jnp.argsort(order_A), axis=0).reshape(b * s, k, e)
     y_TE = jnp.einsum("TKE,TK->TE", y_TKE, weights_BSK.reshape(b * s, k).astype(y_TKE.dtype))
     if self.mlp_axes:  # each device holds a shard of moe_mlp: its wo gives a partial sum
@@ -370,12 +383,19 @@ class DevicePlan:
     return y_TE.reshape(b, s, e)
 
 
+# The platforms whose XLA backend compiles jax.lax.ragged_all_to_all, where expert parallelism exchanges exactly the
+# rows each device routes (_ragged_exchange_and_run). XLA's CPU backend has none ("HLO opcode `ragged-all-to-all` is
+# not supported by XLA:CPU"), so there the padded exchange runs (_exchange_and_run).
+RAGGED_EXCHANGE_PLATFORMS = ("tpu",)
+
+
 def _exchange_and_run(x_AE, experts_A, sizes_N, ep, exp_axes, experts_ffn):
-  """Expert parallelism: this device's rows x [A, embed], sorted by expert (experts_A), go to the device holding
-  their expert by all-to-all over exp_axes; each device runs its num_experts / ep experts on what it received
-  and the outputs come back the same way. Buffers are padded to A rows per device pair (all of a device's rows
-  may go to one expert shard), so shapes are static: each device receives ep * A rows, of which about A are
-  real. Megablox skips the padding rows; the CPU's tiled matmul computes them too (ep times the FLOPs)."""
+  """Expert parallelism without ragged_all_to_all: this device's rows x [A, embed], sorted by expert (experts_A), go
+  to the device holding their expert by all-to-all over exp_axes; each device runs its num_experts / ep experts on
+  what it received and the outputs come back the same way. Buffers are padded to A rows per device pair (all of a
+  device's rows may go to one expert shard), so shapes are static: each device sends and receives ep * A rows, of
+  which about A are real. Megablox skips the padding rows; the CPU's tiled matmul computes them too (ep times the
+  FLOPs)."""
   rows, e = x_AE.shape
   local = sizes_N.shape[0] // ep
   sizes_DL = sizes_N.reshape(ep, local)  # rows for destination shard d's local expert l
@@ -395,3 +415,127 @@ def _exchange_and_run(x_AE, experts_A, sizes_N, ep, exp_axes, experts_ffn):
   back = jax.lax.all_to_all(y_recv, exp_axes, 0, 0)  # back[d]: outputs of the rows this device sent to shard d
   dest_A = experts_A // local
   return back[dest_A, slot - start_D[dest_A]]
+
+
+class ExchangePlan(NamedTuple):
+  """One device's part of the exact-size exchange (_ragged_exchange_and_run), in ragged_all_to_all's terms. Slice
+  (d, l), d = 0 ... ep - 1 and l = 0 ... local - 1, flattened d-major: on the send side, this device's rows for
+  local expert l of shard d; on the receive side, the rows source shard d sends for this shard's local expert l.
+
+  input_offsets, send_sizes [ep * local]: where slice (d, l) starts in this device's rows sorted by expert, and its
+    rows (the global experts are d * local + l, so sorted by expert is sorted by destination, then local expert).
+  recv_offsets, recv_sizes [ep * local]: where source d's rows for local expert l land in this device's receive
+    buffer, and how many there are: grouped by local expert, sources in order within each (as the padded exchange
+    regroups them), so the received rows are already sorted by local expert.
+  group_sizes [local]: the received rows of each local expert, for the grouped matmuls.
+
+  ragged_all_to_all takes the output offsets of the slices a device sends, in the receivers' frames: the receivers'
+  recv_offsets, exchanged by an all-to-all (there) and back (the outputs' return goes to input_offsets)."""
+
+  input_offsets: jax.Array
+  send_sizes: jax.Array
+  recv_offsets: jax.Array
+  recv_sizes: jax.Array
+  group_sizes: jax.Array
+
+
+def exchange_plan(sizes_DL: jax.Array, recv_SL: jax.Array) -> ExchangePlan:
+  """The plan (see ExchangePlan) from this device's rows per destination shard and local expert sizes_DL [ep, local]
+  and the rows it receives from each source shard for each of its local experts recv_SL [ep, local] (the
+  all-to-all of every device's sizes_DL)."""
+  send = sizes_DL.reshape(-1).astype(jnp.int32)
+  group_sizes_L = jnp.sum(recv_SL, axis=0).astype(jnp.int32)
+  group_start_L = jnp.cumsum(group_sizes_L) - group_sizes_L
+  recv_offsets_SL = group_start_L[None] + jnp.cumsum(recv_SL, axis=0) - recv_SL
+  return ExchangePlan(
+    jnp.cumsum(send) - send,
+    send,
+    recv_offsets_SL.reshape(-1).astype(jnp.int32),
+    recv_SL.reshape(-1).astype(jnp.int32),
+    group_sizes_L,
+  )
+
+
+def receive_rows(rows: int, k: int, ep: int, local: int) -> int:
+  """The receive buffer's rows for `rows` = tokens * k routed rows per device, when each shard receives the rows of
+  `local` of its experts: the most it can receive. A token's k choices are distinct experts (top-k), so it sends
+  at most min(k, local) rows to one shard, and each of the ep devices sends its tokens' rows (all of them, when
+  local >= k: ep * rows)."""
+  return ep * (rows // k) * min(k, local)
+
+
+# The receive buffer's rows at most this many times the device's own routed rows: what one exchange needs at ep = 8
+# with k >= 8 (DeepSeek-V3 on a v5p-512 fits so); beyond it the exchange runs in rounds (exchange_rounds).
+RECEIVE_BUDGET = 8
+
+
+def exchange_rounds(rows: int, k: int, ep: int, local: int) -> int:
+  """The fewest rounds, a divisor of `local`, that keep each round's receive buffer (receive_rows of its
+  local / rounds experts) within RECEIVE_BUDGET * rows; `local` rounds (one expert each, ep * tokens rows) when
+  none does. One round is one exchange."""
+  for rounds in range(1, local + 1):
+    if local % rounds == 0 and receive_rows(rows, k, ep, local // rounds) <= RECEIVE_BUDGET * rows:
+      return rounds
+  return local
+
+
+class ExchangeSetup(NamedTuple):
+  """What the exact-size exchange needs besides the rows: the expert shards (ep over the mesh axes exp_axes) and k,
+  the experts each token chooses (which bounds what one shard can receive)."""
+
+  ep: int
+  exp_axes: tuple[str, ...]
+  k: int
+
+
+def _ragged_exchange_and_run(x_AE, sizes_N, setup: ExchangeSetup, experts_ffn, w):
+  """Expert parallelism by jax.lax.ragged_all_to_all: this device's rows x [A, embed], sorted by expert, go to the
+  shards holding their experts, exactly A rows sent, one (d, l) slice per destination shard and local expert, so
+  they arrive grouped by local expert (ExchangePlan); each device runs its local experts on them,
+  experts_ffn(rows, group_sizes, w) with `w` the weights of those experts (leading dimension local), and the
+  outputs return by a second ragged_all_to_all into exactly A rows, in x's order. JAX transposes ragged_all_to_all
+  into the reverse ragged_all_to_all, so the backward pass exchanges the same sizes.
+
+  The receive buffer, and the experts' activations on it, have a static size: the worst case, receive_rows (ep * A
+  when a shard holds k experts or more), of which only the rows received are filled (megablox skips the rest).
+  Where that exceeds RECEIVE_BUDGET * A (DeepSeek-V3 at ep = 32: 14 GiB per buffer and layer, a dozen such buffers
+  in the step), the local experts are exchanged and run in exchange_rounds rounds of local / rounds experts each
+  (a scan), each round's buffer bounded by its own experts. Each round is rematerialised in the backward pass
+  (jax.checkpoint: its exchange and matmuls run again), so what stays live is one round's buffers, not all of
+  them: dropless still, for the cost of one more forward exchange and expert pass per layer."""
+  ep, exp_axes, k = setup
+  rows, e = x_AE.shape
+  local = sizes_N.shape[0] // ep
+  rounds = exchange_rounds(rows, k, ep, local)
+  per_round = local // rounds
+  sizes_DL = sizes_N.reshape(ep, local)
+  recv_SL = jax.lax.all_to_all(sizes_DL, exp_axes, 0, 0)
+  starts_DL = (jnp.cumsum(sizes_N) - sizes_N).reshape(ep, local).astype(jnp.int32)
+
+  def by_round(a_DL):  # [ep, local] -> [rounds, ep, per_round]: round r's experts are r * per_round ...
+    return jnp.moveaxis(a_DL.reshape(ep, rounds, per_round), 1, 0)
+
+  def frames(offsets):  # each peer's offsets of its slices with this device, in its own frame
+    return jax.lax.all_to_all(offsets.reshape(ep, -1), exp_axes, 0, 0).reshape(-1)
+
+  def one_round(y_AE, round_inputs):
+    sizes_DG, starts_DG, recv_SG, w_round = round_inputs
+    plan = exchange_plan(sizes_DG, recv_SG)._replace(input_offsets=starts_DG.reshape(-1))
+    recv = jnp.zeros((receive_rows(rows, k, ep, per_round), e), x_AE.dtype)
+    recv = jax.lax.ragged_all_to_all(
+      x_AE, recv, plan.input_offsets, plan.send_sizes, frames(plan.recv_offsets), plan.recv_sizes, axis_name=exp_axes
+    )
+    y_recv = experts_ffn(recv, plan.group_sizes, w_round)
+    # Into a buffer of zeros, summed: the round's rows only (ragged_all_to_all's transpose for its `output` operand
+    # is not relied on).
+    back = jax.lax.ragged_all_to_all(
+      y_recv, jnp.zeros_like(x_AE), plan.recv_offsets, plan.recv_sizes, frames(plan.input_offsets), plan.send_sizes,
+      axis_name=exp_axes,
+    )  # fmt: skip
+    return y_AE + back, None
+
+  w_R = jax.tree.map(lambda a: a.reshape(rounds, per_round, *a.shape[1:]), w)
+  inputs = (by_round(sizes_DL), by_round(starts_DL), by_round(recv_SL), w_R)
+  if rounds == 1:
+    return one_round(jnp.zeros_like(x_AE), jax.tree.map(lambda a: a[0], inputs))[0]
+  return jax.lax.scan(jax.checkpoint(one_round, prevent_cse=False), jnp.zeros_like(x_AE), inputs)[0]

@@ -77,3 +77,26 @@ def test_tiles_follow_the_rows_per_group():
   """A power of 2 near an even share of the rows per group, within [8, 256]."""
   assert tile_rows(2048, 8) == 256 and tile_rows(8192, 8) == 256
   assert tile_rows(128, 128) == 8 and tile_rows(96, 4) == 32
+
+
+def test_megablox_leaving_the_rest_undefined_keeps_it_out_of_what_is_read():
+  """zero_rest=False (moe's exact-size exchange): rows past the groups are NaN going in, and so are their
+  cotangents coming back (an earlier matmul's undefined rows, and their gradients): the outputs on the rows in
+  groups and the gradients of w and of x's rows in groups are ragged_dot's on the clean rows; the NaN reach no sum."""
+  rng = np.random.default_rng(2)
+  sizes, rows = [20, 0, 50, 30], 128
+  used = sum(sizes)
+  x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, 128, 128)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  past = (np.arange(rows) >= used)[:, None]
+
+  y, vjp = jax.vjp(
+    lambda x, w: megablox_grouped_matmul(x, w, group_sizes, True, zero_rest=False), jnp.where(past, jnp.nan, x), w
+  )
+  dx, dw = vjp(jnp.where(past, jnp.nan, dy))
+  want_y, want_vjp = jax.vjp(lambda x, w: _ragged_dot(x, w, group_sizes), jnp.where(past, 0, x), w)
+  want_dx, want_dw = want_vjp(jnp.where(past, 0, dy))
+  for g, r in ((y[:used], want_y[:used]), (dx[:used], want_dx[:used]), (dw, want_dw)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(np.asarray(r)).max())

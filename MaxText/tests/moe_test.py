@@ -413,3 +413,201 @@ def test_a_decode_step_under_sequence_and_expert_parallelism_equals_one_device()
     got = jax.jit(moe.MoeBlock(cfg, device_mesh, renormalize=True).apply)({"params": params}, x)
   want = block.apply({"params": params}, x)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+                                axis_index_groups):  # fmt: skip
+  """jax.lax.ragged_all_to_all as its docstring specifies it, from all-gathers: every source's slice i, sent to
+  device i // (slices / devices), written at that source's output_offsets[i] of the result (recv_sizes must match
+  the senders' send_sizes; test_exchange_plan_sizes_and_offsets_match_the_padded_exchange checks that they do)."""
+  del recv_sizes, axis_index_groups
+  operands = jax.lax.all_gather(operand, axis_name)  # [sources, rows, ...]
+  starts, sizes, offsets = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+  sources, slices = starts.shape
+  rows = operand.shape[0]
+  j = jnp.arange(rows)
+  to_me = (jnp.arange(slices) // (slices // sources) == jax.lax.axis_index(axis_name))[None, :, None]
+  dest = jnp.where(to_me & (j < sizes[..., None]), offsets[..., None] + j, output.shape[0])  # out of range: dropped
+  taken = operands[jnp.arange(sources)[:, None, None], jnp.minimum(starts[..., None] + j, rows - 1)]
+  return output.at[dest.reshape(-1)].set(taken.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+@pytest.fixture
+def ragged_on_cpu(monkeypatch):
+  """The exact-size exchange on the CPU: XLA's CPU backend has no ragged-all-to-all, so it is lowered here as
+  _emulated_ragged_all_to_all (JAX's own JVP and transpose rules stay: the gradients are JAX's), and the CPU joins
+  the platforms that exchange so. The CPU lowering stays registered for the rest of the process (nothing else on the
+  CPU can use ragged_all_to_all, which otherwise fails to compile there)."""
+  from jax.extend.core.primitives import ragged_all_to_all_p
+  from jax.interpreters import mlir
+
+  mlir.register_lowering(ragged_all_to_all_p, mlir.lower_fun(_emulated_ragged_all_to_all, False), platform="cpu")
+  monkeypatch.setattr(moe, "RAGGED_EXCHANGE_PLATFORMS", ("tpu", "cpu"))
+
+
+def test_the_emulated_ragged_all_to_all_gives_the_docstrings_example(ragged_on_cpu):
+  """The emulation the exact-exchange tests run on the CPU, on the example of jax.lax.ragged_all_to_all's docstring
+  (its results are the docstring's), and its gradient: each operand element gets the cotangent of the result
+  element it was written to, the unsent ones zero."""
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  spec = jax.sharding.PartitionSpec("x")
+
+  def exchange(operand, *rest):
+    return jax.lax.ragged_all_to_all(operand[0], *(a[0] for a in rest), axis_name="x")[None]
+
+  args = [jnp.array([[1, 2, 2], [3, 4, 0]], jnp.float32), jnp.zeros((2, 4), jnp.float32)]
+  args += [jnp.array(a, jnp.int32) for a in ([[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+  run = jax.shard_map(exchange, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, check_vma=False)
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in args]
+    np.testing.assert_array_equal(jax.jit(run)(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])
+    weights = jnp.arange(8.0).reshape(2, 4)
+    grad = jax.jit(jax.grad(lambda o, *rest: jnp.sum(run(o, *rest) * weights)))(*args)
+  np.testing.assert_array_equal(grad, [[0, 4, 5], [1, 6, 0]])
+
+
+def _routing(kind: str, ep: int, tokens: int, k: int, num_experts: int, seed: int) -> np.ndarray:
+  """Each of ep devices' tokens' k distinct experts [ep, tokens * k]: "random" over all experts, "empty" over a few
+  (the others get no rows), "one_shard" all to the experts of shard 0."""
+  rng = np.random.default_rng(seed)
+  pool = {"random": num_experts, "empty": k + 1, "one_shard": num_experts // ep}[kind]
+  chosen = [rng.permutation(pool)[:k] for _ in range(ep * tokens)]
+  if kind == "empty":
+    chosen = [rng.permutation(num_experts)[: k + 1][c] for c in chosen]  # a random few experts, not the first ones
+  return np.asarray(chosen, np.int32).reshape(ep, tokens * k)
+
+
+def _numpy_exchange(plans, x, ep):
+  """Each device's receive buffer by jax.lax.ragged_all_to_all's documented semantics in numpy, from every device's
+  ExchangePlan and rows x [ep, rows, ...]: source s's slice i goes to device i // local at the offset the receiver
+  gave it (its recv_offsets, which the exchange sends to the source)."""
+  local = plans[0].send_sizes.shape[0] // ep
+  out = np.full((ep, ep * x.shape[1], *x.shape[2:]), -1, x.dtype)
+  for s in range(ep):
+    for i, (start, size) in enumerate(zip(plans[s].input_offsets, plans[s].send_sizes, strict=True)):
+      d, slice_on_d = i // local, s * local + i % local
+      assert plans[d].recv_sizes[slice_on_d] == size, "what d expects from s is what s sends"
+      offset = plans[d].recv_offsets[slice_on_d]
+      out[d, offset : offset + size] = x[s, start : start + size]
+  return out
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "empty", "one_shard"])
+def test_exchange_plan_sizes_and_offsets_match_the_padded_exchange(ep, kind):
+  """moe.exchange_plan, with ragged_all_to_all's semantics modelled in numpy: each device receives exactly the rows
+  the padded exchange gives its experts, in the padded exchange's order (by local expert, then source, then the
+  source's order), the group sizes count them, and the outputs return to the rows that sent them."""
+  num_experts, tokens, k = 8, 6, 2
+  local = num_experts // ep
+  experts = np.sort(_routing(kind, ep, tokens, k, num_experts, seed=ep), axis=1)  # each device's rows by expert
+  sizes_DL = np.stack([np.bincount(e, minlength=num_experts).reshape(ep, local) for e in experts])  # [device, d, l]
+  recv_SL = np.transpose(sizes_DL, (1, 0, 2))  # the all-to-all: device d's recv[s] is s's sizes_DL[d]
+  plans = [jax.tree.map(np.asarray, moe.exchange_plan(jnp.asarray(sizes_DL[d]), jnp.asarray(recv_SL[d]))) for d in range(ep)]
+  row_ids = np.arange(ep * tokens * k).reshape(ep, tokens * k)
+  received = _numpy_exchange(plans, row_ids, ep)
+  for d in range(ep):
+    # The padded exchange's order on shard d (moe._exchange_and_run): local expert, then source, then row.
+    want = [row_ids[s][experts[s] == d * local + j] for j in range(local) for s in range(ep)]
+    want = np.concatenate(want)
+    np.testing.assert_array_equal(received[d, : want.size], want)
+    assert (received[d, want.size :] == -1).all(), "nothing past the received rows"
+    np.testing.assert_array_equal(plans[d].group_sizes, [np.sum(experts[:, None] == d * local + j) for j in range(local)])
+    assert want.size <= moe.receive_rows(tokens * k, k, ep, local)
+  # The return: each shard sends back its received slices to where they came from, into exactly tokens * k rows.
+  back_plans = [p._replace(input_offsets=p.recv_offsets, send_sizes=p.recv_sizes) for p in plans]
+  back_plans = [
+    bp._replace(recv_offsets=p.input_offsets, recv_sizes=p.send_sizes) for bp, p in zip(back_plans, plans, strict=True)
+  ]
+  np.testing.assert_array_equal(_numpy_exchange(back_plans, received, ep)[:, : tokens * k], row_ids)
+
+
+def _exchanged(exchange, experts, num_experts, ep):
+  """Runs `exchange` (moe._exchange_and_run or moe._ragged_exchange_and_run, as a function of (x, experts_A, sizes_N,
+  experts_ffn)) on ep devices, each with its rows sorted by expert (experts [ep, rows]) and x = the rows' ids, under
+  an experts_ffn that answers, for each row it is given, its id, its local expert and its place among that expert's
+  rows: [ep, rows, 3] as the rows get it back."""
+  mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+  spec = jax.sharding.PartitionSpec("expert")
+
+  def experts_ffn(rows, group_sizes):
+    ends = jnp.cumsum(group_sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right")
+    place = jnp.arange(rows.shape[0]) - (ends - group_sizes)[jnp.minimum(expert, group_sizes.shape[0] - 1)]
+    return jnp.stack([rows[:, 0], expert.astype(rows.dtype), place.astype(rows.dtype)], axis=1)
+
+  def device(x, experts_A):
+    sizes_N = jnp.bincount(experts_A[0], length=num_experts).astype(jnp.int32)
+    return exchange(x[0], experts_A[0], sizes_N, experts_ffn)[None]
+
+  ids = jnp.asarray(np.arange(experts.size, dtype=np.float32).reshape(*experts.shape, 1) * np.ones(3, np.float32))
+  run = jax.shard_map(device, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False)
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in (ids, jnp.asarray(experts))]
+    return np.asarray(jax.jit(run)(*args))
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "empty", "one_shard"])
+def test_the_exact_exchange_gives_each_expert_the_rows_the_padded_one_does(ragged_on_cpu, ep, kind):
+  """Both exchanges on ep devices (the exact one through the emulated ragged_all_to_all): every row reaches the same
+  local expert at the same place among its rows, and its output returns to it (exact: small integers). The exact
+  exchange in one round and, under a receive budget of 1, in rounds of one local expert each, with that expert's
+  weights."""
+  num_experts, tokens, k = 8, 6, 2
+  local = num_experts // ep
+  experts = np.sort(_routing(kind, ep, tokens, k, num_experts, seed=ep + 10), axis=1)
+  axes = ("expert",)
+  padded = _exchanged(lambda x, e, n, f: moe._exchange_and_run(x, e, n, ep, axes, f), experts, num_experts, ep)
+
+  def exact(x, _, sizes_N, f):
+    # The experts' "weights" are their local indices: a round's first one turns its place in the round into the
+    # local expert.
+    ffn = lambda rows, group_sizes, w: f(rows, group_sizes) + jnp.array([0.0, 1.0, 0.0]) * w[0]  # noqa: E731
+    setup = moe.ExchangeSetup(ep, axes, k)
+    return moe._ragged_exchange_and_run(x, sizes_N, setup, ffn, jnp.arange(local, dtype=jnp.float32))
+
+  one_round = _exchanged(exact, experts, num_experts, ep)
+  np.testing.assert_array_equal(one_round, padded)
+  np.testing.assert_array_equal(one_round[..., 0], np.arange(experts.size).reshape(experts.shape))
+  np.testing.assert_array_equal(one_round[..., 1], experts % local)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(moe, "RECEIVE_BUDGET", 1)
+    assert moe.exchange_rounds(tokens * k, k, ep, local) == local
+    rounds = _exchanged(exact, experts, num_experts, ep)
+  np.testing.assert_array_equal(rounds, one_round)
+
+
+@pytest.mark.parametrize(
+  "mesh, budget",
+  [
+    (("ici_expert_parallelism=8", "ici_fsdp_parallelism=1"), 8),
+    (("ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"), 8),
+    (("ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"), 1),
+  ],
+  ids=["ep8", "ep2_fsdp2_tp2", "ep2_fsdp2_tp2_in_rounds"],
+)
+def test_the_exact_exchange_block_equals_one_device(ragged_on_cpu, monkeypatch, mesh, budget):
+  """The dropless block with the exact-size exchange (ragged_all_to_all, emulated on the CPU; its gradient by JAX's
+  transpose rule) on 8 devices, in one round and (RECEIVE_BUDGET 1) in rounds of one local expert, rematerialised
+  in the backward pass: the outputs and gradients of one device (float32; 1e-5 of each tensor's largest magnitude,
+  as test_expert_parallel_block_equals_one_device)."""
+  from MaxText import sharding
+
+  monkeypatch.setattr(moe, "RECEIVE_BUDGET", budget)
+
+  one = config(*MOE, "num_experts=8")
+  block, params, x = _block(one, batch=8)
+  cfg = config(*MOE, "num_experts=8", *mesh, num_devices=8)
+  device_mesh = sharding.create_mesh(cfg, jax.devices()[:8])
+
+  def value_and_grads(b):
+    return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(b.apply({"params": p}, x))), (0, 1)))(params, x)
+
+  want = value_and_grads(block)
+  with jax.set_mesh(device_mesh):
+    exact = moe.MoeBlock(cfg, device_mesh, renormalize=True)
+    assert "ragged_all_to_all" in str(jax.make_jaxpr(lambda p, x: exact.apply({"params": p}, x))(params, x))
+    got = value_and_grads(exact)
+  for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
