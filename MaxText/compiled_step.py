@@ -58,7 +58,7 @@ NOT_IN_STEP = frozenset({
   "jax_distributed_heartbeat_timeout_seconds", "skip_jax_distributed_system",
 })  # fmt: skip
 _RAW_PARALLELISM = re.compile(r"^(ici|dcn)_[a-z]+_parallelism$")
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 GiB = 2**30
 
 
