@@ -118,9 +118,16 @@ def apply_rope(
   """
   angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [batch, length, 1, head_dim/2]
   sin, cos = jnp.sin(angle), jnp.cos(angle)
-  x32 = x.astype(jnp.float32)
-  x1, x2 = (x32[..., 0::2], x32[..., 1::2]) if interleaved else jnp.split(x32, 2, axis=-1)
   if scale != 1.0:
     sin, cos = sin * scale, cos * scale
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  if interleaved:
+    x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+  # x1 cos - x2 sin, x2 cos + x1 sin written as x cos + rotate_half(x) sin, rotate_half (x1, x2) -> (-x2, x1) taken
+  # in x's dtype (exact) and each operand widened where it is used: the same float32 products and sums, in one
+  # elementwise pass over x. Widening x first made XLA keep float32 copies of the queries and keys (on TPU it widened
+  # the projections' outputs): the 32B v5e-256 flash compile needed 0.6 GiB more temporaries per device.
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  sin, cos = jnp.concatenate([sin, sin], axis=-1), jnp.concatenate([cos, cos], axis=-1)
+  out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
   return out.astype(x.dtype)
