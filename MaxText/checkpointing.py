@@ -24,6 +24,11 @@ Weight-only quantized parameters (decode.py's save_quantized_params_path, a para
 that holds none yet) keep their quantization settings beside the arrays (`<step>/quantization`, committed with
 them); they load only with checkpoint_is_quantized=true and the same settings, and a float checkpoint never does.
 
+Checkpoints hold the decoder layers in their natural order, whatever the run's layout: a circular pipeline's
+train state holds its pipelined layers stage-major (layers/pipeline.py), so its saves write them back in the
+natural order and every restore into it permutes them (state.in_natural_order / in_stored_order); checkpoints move
+freely between pipelined and plain runs.
+
 A local save never starts on a disk that cannot hold it (check_room); one that runs out of space all the same
 ends the run with one line naming the checkpoint to resume from (full_disk_stops_the_run).
 """
@@ -46,7 +51,16 @@ import numpy as np
 from MaxText import integrity, lora, metrics, storage
 from MaxText.common_types import Config, ConfigError, TrainingError
 from MaxText.layers import models, quantizations
-from MaxText.state import StateLayout, TrainState, init_adapters, init_state, params_layout, state_from_params
+from MaxText.state import (
+  StateLayout,
+  TrainState,
+  in_natural_order,
+  in_stored_order,
+  init_adapters,
+  init_state,
+  params_layout,
+  state_from_params,
+)
 
 ITEM = "items"
 DATA_ITEM = "data"
@@ -130,14 +144,17 @@ def create_manager(config: Config):
   return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=(ITEM, DATA_ITEM, CHECKSUM_ITEM))
 
 
-def save(manager, state: TrainState, data_state: dict | None = None) -> bool:
+def save(manager, state: TrainState, data_state: dict | None = None, config: Config | None = None) -> bool:
   """Starts saving `state` (and the data iterator's state, if given) as checkpoint <state.step>; never
-  overwrites an existing checkpoint."""
+  overwrites an existing checkpoint. `config`: the run's, whose train state may hold a circular pipeline's layers
+  stage-major (they are written in the natural order); None for a state in the natural order."""
   import orbax.checkpoint as ocp
 
   step = int(jax.device_get(state.step))
   if step in manager.all_steps():
     return False
+  if config is not None:
+    state = in_natural_order(config, state)  # a copy while it is written to the host (async saves too)
   storage.makedirs(str(manager.directory))
   items = {ITEM: ocp.args.StandardSave(state), CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record(state))}
   if data_state is not None:
@@ -640,7 +657,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
     return start
   if config.load_full_state_path:
     path = items_path("load_full_state_path", config.load_full_state_path)
-    return StartingPoint(_restore_tree(path, layout.abstract), f"full state from {path}")
+    return StartingPoint(in_stored_order(config, _restore_tree(path, layout.abstract)), f"full state from {path}")
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
     params = _restore_tree(path, {"params": _start_params(config, layout, path)})["params"]
@@ -654,7 +671,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
   state = init_state(model, config, tx, layout)
   source = f"fresh init (seed {config.init_weights_seed})"
   if config.hf_lora_adapter_path:
-    params = _with_peft_adapter(config, layout, state.params)
+    params = _with_peft_adapter(config, layout, in_natural_order(config, state.params))
     state, source = state_from_params(params, tx, layout, config), source + f", adapters from {config.hf_lora_adapter_path}"
   return StartingPoint(state, source)
 
@@ -720,7 +737,7 @@ def _restore_step(config: Config, manager, step: int, where: str, layout: StateL
   agree(damage)
   state = restored[ITEM]
   verified = verify(items, state)  # A global computation: the same verdict on every process.
-  return _cast_like(state, layout.abstract), verified
+  return in_stored_order(config, _cast_like(state, layout.abstract)), verified
 
 
 def _set_aside(where: str) -> str:

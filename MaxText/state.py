@@ -3,9 +3,14 @@
 Parameters are never materialised whole on one host: `jax.eval_shape` gives the abstract state and its
 logical axes, `logical_axis_rules` turn those into shardings, and a jitted init with out_shardings
 creates every array already in place.
+
+Under a circular pipeline the state holds the pipelined layers stage-major (layers/pipeline.py, to_stored): the
+train state that init_state and state_from_params make is in that order, the same shapes and shardings as the
+natural one; checkpointing.py permutes at every save and restore, so checkpoints keep the natural order.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -16,7 +21,7 @@ from jax.sharding import Mesh
 
 from MaxText import common_types, lora, sharding
 from MaxText.common_types import Config
-from MaxText.layers import models, quantizations
+from MaxText.layers import models, pipeline, quantizations
 
 
 @struct.dataclass
@@ -140,8 +145,12 @@ def abstract_params(config: Config) -> dict:
 
 
 def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
-  """A fresh train state from init_weights_seed, created directly with its shardings."""
-  init = jax.jit(lambda rng: nn.meta.unbox(_boxed_state(model, config, tx, rng)), out_shardings=layout.shardings)
+  """A fresh train state from init_weights_seed, created directly with its shardings (in the stored order,
+  pipeline.to_stored: the natural init's values, permuted)."""
+  init = jax.jit(
+    lambda rng: pipeline.to_stored(config, nn.meta.unbox(_boxed_state(model, config, tx, rng))),
+    out_shardings=layout.shardings,
+  )
   rng = jax.random.key(config.init_weights_seed)
   # Init runs once, so on CPU it is compiled at LLVM's cheaper optimisation level: 2.5x faster to compile
   # (its many random-number kernels), the same bits, a start-up of about 1.7 s less (docs/PERFORMANCE.md).
@@ -151,23 +160,55 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
 
 
 def init_adapters(model, config: Config, layout: StateLayout) -> dict:
-  """Fresh LoRA adapters from init_weights_seed, created with their shardings (the base's init is never run: XLA
-  drops what the output does not need)."""
+  """Fresh LoRA adapters from init_weights_seed, created with their shardings, in the natural order (the base's
+  init is never run: XLA drops what the output does not need)."""
   adapters = lora.partition(layout.shardings.params)[0]
   init = jax.jit(lambda rng: lora.partition(nn.meta.unbox(init_params(model, config, rng)))[0], out_shardings=adapters)
   return init(jax.random.key(config.init_weights_seed))
 
 
 def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainState:
-  """A train state at step 0 around given params: a fresh optimizer state (and with a reference model, the params
-  again as it)."""
-  fresh = jax.jit(
-    lambda p: TrainState(
+  """A train state at step 0 around given params in the natural order (restored ones): a fresh optimizer state
+  (and with a reference model, the params again as it), in the stored order (pipeline.to_stored)."""
+
+  def fresh(p):
+    p = pipeline.to_stored(config, p)
+    return TrainState(
       step=jax.numpy.zeros((), jax.numpy.int32),
       params=p,
       opt_state=tx.init(trainable(config, p)),
       reference_params=_reference(config, p),
-    ),
-    out_shardings=layout.shardings,
+    )
+
+  return jax.jit(fresh, out_shardings=layout.shardings)(params)
+
+
+def in_stored_order(config: Config, tree):
+  """`tree` (arrays on the devices in the natural layer order: a restored train state) in the stored order
+  (pipeline.to_stored), each array keeping its sharding; its buffers are given up (donated). `tree` itself when the
+  orders are the same (no circular pipeline)."""
+  return _reordered(config, tree, to_stored=True)
+
+
+def in_natural_order(config: Config, tree):
+  """The arrays of a train state (or its params) on the devices in the natural layer order (pipeline.to_natural), as
+  checkpoints and decoding take them: a new copy, each array keeping its sharding, or `tree` itself when the orders
+  are the same."""
+  return _reordered(config, tree, to_stored=False)
+
+
+def _reordered(config: Config, tree, to_stored: bool):
+  if not pipeline.stores_stage_major(config):
+    return tree
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return _reorderer(config, to_stored, treedef, tuple(x.sharding for x in leaves))(tree)
+
+
+@functools.lru_cache(maxsize=8)  # compiled once per run and direction: a run saves many times
+def _reorderer(config: Config, to_stored: bool, treedef, shardings):
+  reorder = pipeline.to_stored if to_stored else pipeline.to_natural
+  return jax.jit(
+    functools.partial(reorder, config),
+    out_shardings=jax.tree_util.tree_unflatten(treedef, shardings),
+    donate_argnums=(0,) if to_stored else (),
   )
-  return fresh(params)

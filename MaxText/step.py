@@ -19,7 +19,7 @@ from MaxText import cli, compiled_step, input_pipeline, lora, optimizers, shardi
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.layers import models, quantizations
+from MaxText.layers import models, pipeline, quantizations
 from MaxText.rl import loss as rl_loss
 
 
@@ -319,12 +319,17 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   one batch of k*b rows. num_tokens: RL's vocabulary (rl_loss_fn).
   """
   dropout_rng = jax.random.fold_in(jax.random.key(config.init_weights_seed), state.step)
+  # The state holds a circular pipeline's layers stage-major (layers/pipeline.py); the model takes them in the
+  # natural order. The view is a reshape and a transpose that XLA folds into the pipeline's own [S, R, LPS] view of
+  # them: no data moves (pipeline_test compiles the step to check).
+  natural = functools.partial(pipeline.to_natural, config)
+  reference_params = natural(state.reference_params)
   if config.use_dpo:
-    loss = functools.partial(dpo_loss_fn, model, reference_params=state.reference_params)
+    loss = functools.partial(dpo_loss_fn, model, reference_params=reference_params)
   elif config.use_rl:
     on_policy = state.step % config.num_iterations == 0
     loss = functools.partial(
-      rl_loss_fn, model, reference_params=state.reference_params, on_policy=on_policy, num_tokens=num_tokens
+      rl_loss_fn, model, reference_params=reference_params, on_policy=on_policy, num_tokens=num_tokens
     )
   else:
     loss = functools.partial(loss_fn, model)
@@ -335,7 +340,7 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   def full(p):
     return p if frozen is None else lora.combine(p, frozen)
 
-  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=full(p), batch=b, dropout_rng=r), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=natural(full(p)), batch=b, dropout_rng=r), has_aux=True)
   k = config.gradient_accumulation_steps
   if k == 1:
     (loss_sum, aux), grads = grad_fn(trainable, batch, dropout_rng)
@@ -352,7 +357,9 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
-    aux_shapes = jax.eval_shape(lambda p, b: loss(params=p, batch=b, dropout_rng=dropout_rng)[1], state.params, first)
+    aux_shapes = jax.eval_shape(
+      lambda p, b: loss(params=natural(p), batch=b, dropout_rng=dropout_rng)[1], state.params, first
+    )
     aux_zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
     init = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
@@ -363,7 +370,8 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   updates, opt_state = tx.update(grads, state.opt_state, trainable)
   params = full(optax.apply_updates(trainable, updates))
   if "moe_expert_counts" in aux:  # summed over the micro-batches: the step's whole batch
-    params = update_routing_bias(params, aux["moe_expert_counts"], config.routed_bias_update_rate)
+    bias = update_routing_bias(natural(params), aux["moe_expert_counts"], config.routed_bias_update_rate)
+    params = pipeline.to_stored(config, bias)  # (the counts are per layer in the natural order)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   step_metrics = {
     "learning/loss": loss_sum / denominator,
@@ -479,9 +487,12 @@ def jit_train_step(  # noqa: PLR0913 (keyword-only, each named at the call)
 
 
 def jit_eval_step(config: Config, mesh, model, layout: state_lib.StateLayout) -> Callable:
-  """eval_step jitted for `mesh`: (params, reference params, batch) -> (loss sum, weight, {DPO metric: sum})."""
+  """eval_step jitted for `mesh`: (params, reference params, batch) -> (loss sum, weight, {DPO metric: sum}), of
+  the train state's params (a circular pipeline's layers stage-major, viewed in the natural order as train_step
+  does)."""
+  natural = functools.partial(pipeline.to_natural, config)
   return jax.jit(
-    lambda p, r, b: eval_step(model, p, r, b),
+    lambda p, r, b: eval_step(model, natural(p), natural(r), b),
     in_shardings=(layout.shardings.params, layout.shardings.reference_params, sharding.batch_sharding(mesh, config)),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )

@@ -379,7 +379,7 @@ def _save(run: Run, state: state_lib.TrainState, completed: int, position: dict 
     data_state = None
   else:
     data_state = position if position is not None else run.data.get_state()
-  if checkpointing.save(run.manager, state, data_state):
+  if checkpointing.save(run.manager, state, data_state, run.config):
     cli.log(f"saving checkpoint {completed} to {checkpointing.checkpoint_dir(run.config)}")
   else:
     cli.log(f"checkpoint {completed} exists already in {checkpointing.checkpoint_dir(run.config)}; kept as it is")

@@ -10,10 +10,27 @@ where stage 0 reads it back for the next repeat (M >= S makes it ready in time).
 which S - 1 are bubble: the fraction `bubble_fraction`.
 
 All stages run one program (SPMD): the stage function is vmapped over the stage dimension, which the mesh's
-`stage` axis shards, so each device computes its own stage. The parameters stay in the model's usual layout (the
-scanned stack, [layers, ...], sharded over `stage` by the `layers` rule), so checkpoints are the same with and
-without pipelining; they are viewed as [R, S, LPS, ...] for the schedule. With R = 1 each device's share is its
-stage's layers; with R > 1 (circular) XLA moves each stage's layers to it once per step.
+`stage` axis shards, so each device computes its own stage. The model takes the parameters in its usual layout (the
+scanned stack, [layers, ...], sharded over `stage` in contiguous blocks by the `layers` rule) and views the
+pipelined ones as [R, S, LPS, ...] for the schedule. With R = 1 each device's block is its stage's layers. With
+R > 1 (circular) stage s needs layers s, S + s, 2S + s, ... (times LPS), which the natural order spreads over every
+block, so the training state holds them stage-major instead (to_stored: [S, R, LPS, ...] flattened, each block
+one stage's layers) and the train step views them in the natural order for the model (to_natural): a reshape and
+a transpose that XLA folds into the pipeline's own view, so the step moves no layer between devices. The stage-major
+order is the training state's alone (parameters and whatever is shaped like them: the optimizer's moments, the
+reference model): checkpoints, decoding and RL's rollouts get the natural order, at the boundaries (checkpointing.py,
+rl/rollouts.py), so checkpoints are the same with and without pipelining.
+
+The backward pass recomputes the forward (rematerialisation, remat_policy != "none") in checkpoints of k
+consecutive iterations (iterations_per_checkpoint, k dividing the count T = M * R + S - 1, so no extra iteration
+runs): it keeps each checkpoint's carry (the device's stage of the state and the microbatch buffer) and, while it
+differentiates one checkpoint, the layer inputs of its k iterations. With k = 1 each iteration's stage is its own
+checkpoint, and the pass keeps every iteration's stage input: right for one repeat of many layers per stage, but
+on llama2-70b's circular schedule (161 iterations of one layer) 10 GiB per device; in 7 checkpoints of 23 it
+peaks 2.5 GiB lower. Either way the backward runs each layer's forward the same number of times (the forward, the
+checkpoint's recompute, then what the layer's own remat_policy recomputes), and the loss is the same bit for bit;
+the weights' gradients, summed over the iterations in another order (each chunk's sum, then the chunks'), to
+float32 rounding.
 
 Only training runs through the pipeline (and evaluation, which uses the training forward pass); prefill and
 decoding run the layers in order on any mesh.
@@ -26,14 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import traverse_util
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config
+from MaxText.layers import decoders
 
 # Sown values (mixture of experts) that are a mean over the tokens of a call: averaged over microbatches. Others
 # (counts) add up.
 MEAN_OVER_MICROBATCHES = ("moe_lb_loss",)
+# The name of each layer's input in apply_layers: what a chunked schedule keeps of an iteration (_pipelined).
+LAYER_INPUT = "pipeline_layer_input"
 
 
 def num_stages(config: Config) -> int:
@@ -63,12 +84,58 @@ def describe(config: Config) -> str:
   )
 
 
+def stores_stage_major(config: Config) -> bool:
+  """Whether the training state holds the pipelined layers stage-major (to_stored): a circular schedule (R > 1)
+  over a scanned stack. With R = 1 the stage-major order is the natural one; unrolled layers are separate arrays."""
+  return num_stages(config) > 1 and config.num_pipeline_repeats > 1 and config.scan_layers
+
+
+def to_stored(config: Config, tree):
+  """A tree holding parameter-shaped leaves (params, a train state, gradients) with the pipelined layers of the
+  stack reordered from the natural order to the stage-major one the training state keeps (see the module
+  docstring); the other leaves as they are. Exact (a reshape and a transpose); the identity unless
+  stores_stage_major(config)."""
+  return _reorder(config, tree, to_stage_major=True)
+
+
+def to_natural(config: Config, tree):
+  """to_stored's inverse: the layers back in the natural order (what checkpoints, decoding and the model take)."""
+  return _reorder(config, tree, to_stage_major=False)
+
+
+def _reorder(config: Config, tree, to_stage_major: bool):
+  if not stores_stage_major(config):
+    return tree
+  stack = decoders.layer_stacks(config)[-1]
+  n, s, r = config.pipeline_parallel_layers, num_stages(config), config.num_pipeline_repeats
+  lps = config.num_layers_per_pipeline_stage
+  outer, inner = (r, s) if to_stage_major else (s, r)
+
+  def reorder(path, leaf):
+    # A leaf of the stack: the dict keys its path ends with hold the stack's name, as a parameter's do
+    # (layers/mlp/wo/kernel) and Adam's moments' (opt_state/.../mu/layers/mlp/wo/kernel), and its leading axis is the
+    # stack's (Adafactor's placeholders of shape [1] are not).
+    keys = []
+    for key in reversed(path):
+      if not isinstance(key, jax.tree_util.DictKey):
+        break
+      keys.append(key.key)
+    if stack.name not in keys or jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != stack.count:
+      return leaf
+    rest = leaf.shape[1:]
+    head = jnp.swapaxes(leaf[:n].reshape(outer, inner, lps, *rest), 0, 1).reshape(n, *rest)
+    return head if n == stack.count else jnp.concatenate([head, leaf[n:]])
+
+  return jax.tree_util.tree_map_with_path(reorder, tree)
+
+
 def apply_layers(block: nn.Module, params, x, segment_ids, positions, indices, rng):
   """The layers of `params` (stacked, [n, ...]) in order on x, by `block` (a decoder layer, remat included);
   indices [n] are their layer numbers. Returns (x, what they sowed stacked [n, ...])."""
 
   def layer(x, p_and_index):
     p, index = p_and_index
+    x = checkpoint_name(x, LAYER_INPUT)
     rngs = {} if rng is None else {"dropout": jax.random.fold_in(rng, index)}
     (x, _), sown = block.apply(
       {"params": p}, x, segment_ids, positions, None, None, None, index, rngs=rngs, mutable=["intermediates"]
@@ -115,13 +182,23 @@ def _pipelined(block: nn.Module, params, x, segment_ids, positions, first_layer:
   layer_of_stage = first_layer + (jnp.arange(r)[None, :, None] * s + stages[:, None, None]) * lps + jnp.arange(lps)
   state_axes = (ct.STAGE, ct.BATCH, ct.LENGTH, ct.ACT_EMBED)
 
+  iterations = m * r + s - 1
+  # The stage's weight gradient against one stage input, per device (both spread over the devices, the input over all
+  # but the stage axis): what a chunked schedule's second accumulator costs (iterations_per_checkpoint).
+  weight_bytes = sum(p.size * p.dtype.itemsize for p in jax.tree_util.tree_leaves(params))
+  chunk = iterations_per_checkpoint(config, iterations, weight_bytes / (s * mb * length * emb * x.dtype.itemsize))
+
   def stage(p, repeat, x, seg, pos, key, layers):
     return _stage(block, p, repeat, x, seg, pos, key, layers)
 
-  if config.remat_policy != "none":
+  if chunk == 1 and config.remat_policy != "none":
     # Each iteration keeps only its inputs for the backward pass, which recomputes the stage's forward (its layers
     # rematerialised by remat_policy inside): without this, every iteration's layer inputs stay live at once.
     stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable)
+  elif chunk > 1:
+    # The chunk is the checkpoint (_scan_in_chunks). Within one chunk's backward, each iteration keeps its layers'
+    # inputs but not the repeat's weights it picked (recomputed, the pick only): else k picks stay live at once.
+    stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.save_only_these_names(LAYER_INPUT))
   vmapped = jax.vmap(
     stage,
     in_axes=(1, 0, 0, 0, 0, None if rng is None else 0, 0),
@@ -147,9 +224,46 @@ def _pipelined(block: nn.Module, params, x, segment_ids, positions, first_layer:
     return (jnp.roll(out, 1, axis=0), buffer), (sown, valid, repeat)  # roll: each output moves one stage on
 
   state = jnp.zeros((s, mb, length, emb), x.dtype)
-  (_, buffer), (sown, valid, repeat) = jax.lax.scan(iteration, (state, inputs), jnp.arange(m * r + s - 1))
+  (_, buffer), (sown, valid, repeat) = _scan_in_chunks(iteration, (state, inputs), iterations, chunk)
   out = jnp.swapaxes(buffer, 0, 1).reshape(b, length, emb)
   return out, _per_layer(sown, valid, repeat, s, m, r, lps)
+
+
+def iterations_per_checkpoint(config: Config, iterations: int, weight_units: float) -> int:
+  """k, the pipeline iterations per rematerialisation checkpoint (the module docstring says why); 1 (each
+  iteration's stage its own checkpoint) without remat.
+
+  In units of one stage input per device ([mb, length, embed], as a layer input), the backward pass keeps, with
+  k = 1, every iteration's input (T of them) and, during one iteration's backward, its LPS layers' inputs; with
+  k > 1, each chunk's carry (the device's stage of the state and the microbatch buffer: 1 + M) for the T / k
+  chunks, during one chunk's backward its k iterations' LPS layer inputs each, and a second accumulator of the
+  stage's weight gradient (weight_units: the chunk's scan accumulates its own before the scan over chunks adds it
+  up). Without that term the k that keeps least is about sqrt(T (M + 1) / LPS): 1 for one repeat of many layers
+  per stage (llama2-70b, 2 stages x 40 layers: T = 5, M = 4). Only divisors of T: a shorter last chunk is a second
+  loop whose buffers (its inputs' stack, its own weight-gradient accumulator) XLA keeps beside the first's
+  (llama2-70b circular, T = 161: 31.65 GiB in chunks of 27 and one of 26, 28.03 GiB in 7 of 23, 30.49 GiB with
+  k = 1); a prime T (llama3.1-405b circular, 127) keeps k = 1."""
+  if config.remat_policy == "none":
+    return 1
+  m, lps = config.num_pipeline_microbatches, config.num_layers_per_pipeline_stage
+
+  def kept(k):
+    return iterations + lps if k == 1 else iterations // k * (m + 1) + k * lps + weight_units
+
+  return min((k for k in range(1, iterations + 1) if iterations % k == 0), key=kept)
+
+
+def _scan_in_chunks(iteration, carry, count: int, chunk: int):
+  """lax.scan of iteration over t = 0 .. count - 1, each `chunk` consecutive iterations (chunk divides count) one
+  checkpoint that keeps only its carry for the backward pass. The same carry and stacked outputs [count, ...] as
+  the plain scan (chunk = 1)."""
+  if chunk == 1:
+    return jax.lax.scan(iteration, carry, jnp.arange(count))
+  run_chunk = jax.checkpoint(
+    lambda carry, ts: jax.lax.scan(iteration, carry, ts), policy=jax.checkpoint_policies.nothing_saveable
+  )
+  carry, outs = jax.lax.scan(run_chunk, carry, jnp.arange(count).reshape(count // chunk, chunk))
+  return carry, jax.tree_util.tree_map(lambda a: a.reshape(count, *a.shape[2:]), outs)
 
 
 def _stage(block, p, repeat, x, seg, pos, key, layer_of_stage):

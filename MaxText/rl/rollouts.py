@@ -1,7 +1,8 @@
 """Rollouts: each RL step's prompts -> num_generations completions each -> rewards -> the train step's batch.
 
 The completions come from the inference engine (inference/engine.py) in this process, on the training parameters as
-they are on the devices: no host copy, cast to the dtype decoding keeps (engine.params_dtype) only where it differs.
+they are on the devices: no host copy, cast to the dtype decoding keeps (engine.params_dtype) only where it differs
+(and a circular pipeline's layers put back in their natural order, which decoding reads).
 Each completion samples with its own seed, a function of (decode_sampling_seed, step, row), so a step's rollouts
 depend only on the parameters and the step: a resumed run regenerates them bit for bit.
 
@@ -31,6 +32,7 @@ from MaxText.inference import engine as engine_lib
 from MaxText.inference import prompts as prompts_lib
 from MaxText.inference.sampling import Sampling
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.layers import pipeline
 from MaxText.rl import rewards as rewards_lib
 
 PROMPT_COLUMNS = ("prompt", "question", "messages")
@@ -218,16 +220,20 @@ class Rollouts:
     self.last: Rollout | None = None
 
   def _decoding(self, params):
-    """The parameters as the engine reads them: the training arrays themselves, or cast on the devices to the dtype
-    decoding keeps (engine.params_dtype) in the same layout."""
+    """The parameters as the engine reads them: the training arrays themselves, or on the devices cast to the dtype
+    decoding keeps (engine.params_dtype) and, from a circular pipeline's stage-major train state, in the natural
+    layer order (layers/pipeline.py), in the same shardings."""
     dtype = engine_lib.params_dtype(self.config, self.mesh)
-    if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(params)):
+    cast = any(x.dtype != dtype and jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(params))
+    if not cast and not pipeline.stores_stage_major(self.config):
       return params
     if self._cast is None:  # compiled once: the parameters keep their shapes and layout from step to step
-      self._cast = jax.jit(
-        lambda p: jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p),
-        out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, params),
-      )
+
+      def decoding(p):
+        p = pipeline.to_natural(self.config, p)
+        return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+
+      self._cast = jax.jit(decoding, out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, params))
     return self._cast(params)
 
   # ----------------------------------------------------------------------------- training batches
