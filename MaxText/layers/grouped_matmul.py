@@ -138,7 +138,8 @@ def grouped_matmul(  # noqa: PLR0913  (the matmul's three operands and the four 
   quantized: qwix's quantized training intercepts this matmul (layers/quantizations.py), so it must be one of the ops
   qwix quantizes: ragged_dot, or on the CPU tiled_grouped_dot; megablox's kernel is none (quantizations refuses it).
   rest_unread: the caller gives zeros in the rows past sum(group_sizes) and never reads them in the output or in
-  x's gradient, so megablox may leave them undefined (megablox_grouped_matmul's zero_rest=False)."""
+  x's gradient, nor lets any op between two matmuls carry them into a sum (moe's per-expert bias gives them none), so
+  megablox may leave them undefined (megablox_grouped_matmul's zero_rest=False)."""
   if platform == "cpu":
     tile = tile_rows(x.shape[0], w.shape[0])
     return (tiled_grouped_dot if quantized else tiled_grouped_matmul)(x, w, group_sizes, tile)

@@ -359,13 +359,15 @@ class DevicePlan:
         quantized=self.quantized,
         rest_unread=ragged,
       )
-      if w.wi_bias is not None:  # each sorted row's expert, by the group sizes (padding rows, past them, the last)
+      if w.wi_bias is not None:  # each sorted row's expert, by the group sizes; rows past them get none (below)
         expert_R = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
-        expert_R = jnp.minimum(expert_R, group_sizes.shape[0] - 1)
 
       def project(x, kernel, bias):
+        # Rows past the groups take a bias of zero (their expert index is out of range): the take's gradient, a
+        # scatter-add over the rows, then drops their cotangents, which the matmuls above leave undefined when
+        # rest_unread (NaN in megablox's interpret mode) and which would otherwise reach the last expert's bias.
         y = matmul(x, kernel, group_sizes)
-        return y if bias is None else y + jnp.take(bias, expert_R, axis=0)
+        return y if bias is None else y + jnp.take(bias, expert_R, axis=0, mode="fill", fill_value=0)
 
       return matmul(self.gated(rows, w, project), w.wo, group_sizes)
 

@@ -611,3 +611,39 @@ def test_the_exact_exchange_block_equals_one_device(ragged_on_cpu, monkeypatch, 
     got = value_and_grads(exact)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+
+
+def test_expert_biases_under_the_exact_exchange_with_megablox_leave_the_rows_past_the_groups_out(ragged_on_cpu, monkeypatch):
+  """gpt-oss's expert biases with the exact-size exchange on 2 expert shards and the TPU's grouped matmul (Pallas
+  megablox in interpret mode, which leaves the rows past the groups NaN, forward and backward, since the exchange
+  reads none of them): outputs and gradients, the biases' included and all finite, those of one device (tiled)."""
+  from MaxText import sharding
+  from MaxText.layers.grouped_matmul import megablox_grouped_matmul
+
+  unread = []
+
+  def megablox_interpreted(x, w, group_sizes, platform, megablox, quantized, rest_unread):
+    del platform, megablox, quantized
+    unread.append(rest_unread)
+    return megablox_grouped_matmul(x, w, group_sizes, interpret=True, zero_rest=not rest_unread)
+
+  keys = (*MOE, "decoder_block=gpt_oss", "mlp_activations=['sigmoid','linear']", "mlp_activations_limit=1.0",
+          "max_target_length=16")  # fmt: skip
+  one = config(*keys)
+  x = jax.random.normal(jax.random.key(1), (2, one.max_target_length, one.emb_dim), jnp.float32)
+  params = nn.meta.unbox(moe.MoeBlock(one, renormalize=True, use_bias=True).init(jax.random.key(0), x))["params"]
+  params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)  # nonzero biases too
+
+  def value_and_grads(b):
+    return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(b.apply({"params": p}, x))), (0, 1)))(params, x)
+
+  want = value_and_grads(moe.MoeBlock(one, renormalize=True, use_bias=True))
+  cfg = config(*keys, "ici_expert_parallelism=2", "ici_fsdp_parallelism=1", num_devices=2)
+  device_mesh = sharding.create_mesh(cfg, jax.devices()[:2])
+  monkeypatch.setattr(moe, "grouped_matmul", megablox_interpreted)
+  with jax.set_mesh(device_mesh):
+    got = value_and_grads(moe.MoeBlock(cfg, device_mesh, renormalize=True, use_bias=True))
+  assert unread and all(unread), "megablox ran with the rows past the groups left undefined"
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):
+    assert np.isfinite(g).all(), jax.tree_util.keystr(path)
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max(), err_msg=jax.tree_util.keystr(path))
