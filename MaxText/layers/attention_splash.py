@@ -214,11 +214,53 @@ def run_splash(kernel, q, k, v, q_ids, kv_ids, sinks=None):
   return out
 
 
+# What `splash_backward` relies on in splash's private module, checked by name so that a jax whose backward changes
+# shape makes the ring fall back to blockwise attention instead of binding arguments to the wrong parameters:
+# `_splash_attention_bwd`'s parameters (passed by keyword), the residuals it unpacks (9: q, k, v, segment ids, sinks,
+# out, logsumexp, dq and dkv mask infos), and the primal inputs of `_splash_attention_custom`, whose order is that
+# of the backward's cotangents (dq, dk, dv picked by name) and whose keywords are those of the kernel's kwargs read.
+_BACKWARD_PARAMETERS = (
+  "save_residuals",
+  "mask_value",
+  "is_mqa",
+  "block_sizes",
+  "residual_checkpoint_name",
+  "mask_function",
+  "attn_logits_soft_cap",
+  "interpret",
+  "res",
+  "do",
+)
+_PRIMALS = ("fwd_mask_info", "dq_mask_info", "dkv_mask_info", "q", "k", "v", "segment_ids", "sinks")
+_KERNEL_KWARGS = ("mask_value", "is_mqa", "block_sizes", "mask_function", "attn_logits_soft_cap", "interpret")
+_RESIDUALS = 9
+
+
+def _parameters(fn) -> tuple[str, ...]:
+  try:
+    return tuple(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):
+    return ()
+
+
 def splash_backward_available() -> bool:
-  """Whether this jax's splash exposes its backward (`_splash_attention_bwd`), which `splash_backward` calls."""
+  """Whether this jax's splash exposes its backward (`_splash_attention_bwd`) in the form `splash_backward` calls
+  (see _BACKWARD_PARAMETERS)."""
+  import typing
+
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
-  return callable(getattr(splash, "_splash_attention_bwd", None))
+  backward = getattr(splash, "_splash_attention_bwd", None)
+  custom = _parameters(getattr(splash, "_splash_attention_custom", None))
+  kernel = _parameters(getattr(splash, "SplashAttentionKernel", None))
+  return (
+    callable(backward)
+    and _parameters(backward) == _BACKWARD_PARAMETERS
+    and custom[: len(_PRIMALS)] == _PRIMALS
+    and set(_KERNEL_KWARGS) <= set(custom)
+    and {"dq_mask_info", "dkv_mask_info"} <= set(kernel)
+    and len(typing.get_args(getattr(splash, "SplashResidualsType", None))) == _RESIDUALS
+  )
 
 
 def splash_backward(kernel, q, k, v, ids, forward, d_out):
@@ -241,18 +283,18 @@ def splash_backward(kernel, q, k, v, ids, forward, d_out):
   def one(q, k, v, q_ids, kv_ids, out, lse, d_out):
     residuals = (q, k, v, splash.SegmentIds(q_ids, kv_ids), None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
     grads = splash._splash_attention_bwd(  # noqa: SLF001 (see the docstring)
-      False,
-      kw["mask_value"],
-      mqa,
-      kw["block_sizes"],
-      None,
-      kw["mask_function"],
-      kw["attn_logits_soft_cap"],
-      kw["interpret"],
-      residuals,
-      d_out,
+      save_residuals=False,
+      mask_value=kw["mask_value"],
+      is_mqa=mqa,
+      block_sizes=kw["block_sizes"],
+      residual_checkpoint_name=None,
+      mask_function=kw["mask_function"],
+      attn_logits_soft_cap=kw["attn_logits_soft_cap"],
+      interpret=kw["interpret"],
+      res=residuals,
+      do=d_out,
     )
-    return grads[3:6]
+    return tuple(grads[_PRIMALS.index(name)] for name in ("q", "k", "v"))
 
   dq, dk, dv = jax.vmap(one)(q, k, v, q_ids, kv_ids, out, lse, d_out)
   if mqa:

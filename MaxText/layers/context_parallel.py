@@ -545,7 +545,12 @@ def _splash_ring_forward(q, k, v, segment_ids, sinks, plan: RingPlan) -> Forward
 
     def attend_by(kernel):
       out_s, lse_s = run_splash(kernel, qt, k_s, v_s, segment_ids, ids_s)
-      return out_s.astype(jnp.float32), lse_s.astype(jnp.float32)
+      # A query tile this step's mask gives no key tile (keys from a higher rank under load balance, a window shorter
+      # than the piece) is never visited by splash: its rows come back out = 0 / 0 (NaN) and logsumexp -inf, and the
+      # merge would multiply that NaN by a weight of 0. They see no key here, as `none` says.
+      empty = jnp.isneginf(lse_s)
+      out_s = jnp.where(empty[..., None], 0.0, out_s.astype(jnp.float32))
+      return out_s, jnp.where(empty, MASK_VALUE, lse_s.astype(jnp.float32))
 
     branches = [none] + [functools.partial(attend_by, kernel) for kernel in kernels]
     out_s, lse_s = jax.lax.switch(table[rank, s], branches)

@@ -153,9 +153,11 @@ def test_split_attention_with_chunks_and_sinks_equals_the_reference(
   _assert_all_close(got, (out[:, order], (dq[:, order], dk[:, order], dv[:, order], d_sinks)))
 
 
-# Splash (TPU's flash kernel) under context parallelism, in Pallas interpret mode: pieces of 128 tokens (splash's
-# lanes) in 128-token tiles, so a load-balanced piece's two chunks of 64 share a tile. No query sums over more than
-# 256 keys (a causal mask at 256 tokens, or a window), the regime attention_kernels_test's tolerances are measured in.
+# Splash (TPU's flash kernel) under context parallelism, in Pallas interpret mode: mostly pieces of 128 tokens
+# (splash's lanes) in 128-token tiles, so a load-balanced piece's two chunks of 64 share a tile; pieces of two tiles
+# (test_splash_with_pieces_of_two_tiles) give ring steps whose mask leaves a whole query tile without keys. No query
+# sums over more than 256 keys (a causal mask at 256 tokens, or a window) except there (512, causal), near the regime
+# attention_kernels_test's tolerances are measured in.
 SPLASH_BLOCKS = [f"{name}=128" for name in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv")]
 SPLASH_BLOCKS += [
   f"{name}=128" for name in ("sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
@@ -207,6 +209,57 @@ def test_splash_split_attention_equals_the_reference(degree, strategy, balanced,
   _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
 
 
+# (strategy, load balance, window) over 2 devices of 256 tokens, two 128-token query tiles each: the balanced ring's
+# step with keys from the higher rank (the queries' first chunk, a whole tile, sees none of them) and an unbalanced
+# ring whose window (100) is shorter than the piece (the second tile sees no key of the previous piece); splash
+# leaves such a tile untouched, which must not reach the merge as NaN. all_gather's pieces never have one.
+@pytest.mark.parametrize("strategy,balanced,window", [("ring", True, 0), ("ring", False, 100), ("all_gather", True, 0)])
+def test_splash_with_pieces_of_two_tiles(strategy, balanced, window):
+  cfg, mesh = _mesh_config(
+    2,
+    "max_target_length=512",
+    "attention=flash",
+    *SPLASH_BLOCKS,
+    f"context_parallel_strategy={strategy}",
+    f"context_parallel_load_balance={str(balanced).lower()}",
+  )
+  q, k, v, w, seg, pos = _inputs(4, 512, 4, 2, docs=(200, 60, 230))
+  order = cp.load_balanced_order(512, 2) if balanced else np.arange(512)
+
+  def split(q, k, v, seg, pos):
+    return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=window, interpret=True), mesh=mesh)
+
+  args = [x[:, order] for x in (q, k, v, w, seg, pos)]
+  assert _runs_splash(split, *args[:3], *args[4:])
+  got = _out_and_grads(split, *args)
+  want = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
+  _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
+
+
+def test_ring_falls_back_to_blockwise_when_splash_backward_changes(monkeypatch):
+  """The ring calls splash's private backward by its parameters' names: one whose signature differs (here a jax that
+  dropped save_residuals and residual_checkpoint_name) is not called, the ring runs blockwise; all_gather, which does
+  not need it, still runs splash."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+  from MaxText.layers import attention_splash
+
+  def changed(*, mask_value, is_mqa, block_sizes, mask_function, attn_logits_soft_cap, interpret, res, do):
+    raise AssertionError("called with a signature it does not have")
+
+  assert attention_splash.splash_backward_available()
+  monkeypatch.setattr(splash, "_splash_attention_bwd", changed)
+  assert not attention_splash.splash_backward_available()
+  q, k, v, _, seg, pos = _inputs(4, 256, 4, 2, docs=(100, 30, 106))
+  for strategy in ("ring", "all_gather"):
+    cfg, mesh = _splash_config(2, f"context_parallel_strategy={strategy}")
+
+    def split(q, k, v, seg, pos, cfg=cfg, mesh=mesh):
+      return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, interpret=True), mesh=mesh)
+
+    assert _runs_splash(split, q, k, v, seg, pos) == (strategy == "all_gather")
+
+
 @pytest.mark.parametrize("strategy,balanced,chunk,traced", [("all_gather", True, 48, True), ("ring", False, 48, False)])
 def test_splash_split_attention_with_chunks_sinks_and_tensor_heads(strategy, balanced, chunk, traced):
   """context=4 x tensor=2 (each device holds its heads' sinks), a window of 40 inside Llama 4's chunks of 48 (which
@@ -234,11 +287,20 @@ def test_splash_split_attention_with_chunks_sinks_and_tensor_heads(strategy, bal
   _assert_all_close(got, (out[:, order], (dq[:, order], dk[:, order], dv[:, order], d_sinks)))
 
 
-# The ring's case (9 s: three whole rings, each with its backward) is slow-marked; all_gather's is its fast sibling.
+# The ring's case (about 15 s: three whole rings, each with its backward) is slow-marked; all_gather's is its fast sibling.
 @pytest.mark.parametrize("strategy", ["all_gather", pytest.param("ring", marks=pytest.mark.slow)])
-def test_splash_split_attention_with_a_traced_window(strategy):
+def test_splash_split_attention_with_a_traced_window(strategy, monkeypatch):
   """A traced window (Gemma 2's scan) switches between splash kernels for 0 and config.sliding_window_size, and runs
-  today's blockwise path for any other value: all three equal the reference."""
+  today's blockwise path for any other value: all three equal the reference. lax.switch traces every branch, so the
+  branch taken is told at run time: the blockwise fallback, wrapped, reports each time it runs."""
+  fallback = "_ring" if strategy == "ring" else "_all_gather_attention"
+  ran, original = [], getattr(cp, fallback)
+
+  def reporting(*args, **kwargs):
+    jax.debug.callback(lambda: ran.append(True))
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(cp, fallback, reporting)
   cfg, mesh = _splash_config(2, f"context_parallel_strategy={strategy}", "sliding_window_size=40")
   q, k, v, w, seg, pos = _inputs(4, 256, 4, 2, docs=(100, 30, 106))
   order = cp.load_balanced_order(256, 2)
@@ -247,7 +309,10 @@ def test_splash_split_attention_with_a_traced_window(strategy):
     return cp.attend(q, k, v, seg, pos, AttentionSettings.from_config(cfg, window=window, interpret=True), mesh=mesh)
 
   for window in (40, 0, 24):
+    ran.clear()
     got = _out_and_grads(split, *(x[:, order] for x in (q, k, v, w, seg, pos)), jnp.int32(window))
+    jax.effects_barrier()
+    assert bool(ran) == (window == 24), (window, len(ran))
     want = _out_and_grads(_reference(window), q, k, v, w, seg, pos)
     _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
 
