@@ -41,6 +41,6 @@ for strategy in all_gather ring; do
   # shellcheck disable=SC2086
   XLA_FLAGS=--xla_force_host_platform_device_count=8 /usr/bin/time -v python3 MaxText/train.py \
     MaxText/configs/base.yml run_name=cp_$strategy $MODEL $TRAIN $CP steps=2 context_parallel_strategy=$strategy \
-    >"$OUT/train_$strategy.log" 2>&1
+    metrics_file="$OUT/metrics_$strategy.jsonl" >"$OUT/train_$strategy.log" 2>&1
   grep -E "completed step|^Done|Maximum resident set size" "$OUT/train_$strategy.log" | sed "s/^/$strategy: /"
 done

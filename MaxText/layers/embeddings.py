@@ -122,12 +122,32 @@ def apply_rope(
     sin, cos = sin * scale, cos * scale
   if interleaved:
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-  # x1 cos - x2 sin, x2 cos + x1 sin written as x cos + rotate_half(x) sin, rotate_half (x1, x2) -> (-x2, x1) taken
-  # in x's dtype (exact) and each operand widened where it is used: the same float32 products and sums, in one
-  # elementwise pass over x. Widening x first made XLA keep float32 copies of the queries and keys (on TPU it widened
-  # the projections' outputs): the 32B v5e-256 flash compile needed 0.6 GiB more temporaries per device.
+  return _rotate(x, cos, sin)
+
+
+# x1 cos - x2 sin, x2 cos + x1 sin for x = (x1, x2), in float32, rounded once to x's dtype. The forward is written as
+# x cos + rotate_half(x) sin, rotate_half (x1, x2) -> (-x2, x1) taken in x's dtype (exact) and each operand widened
+# where it is used: widening x first made XLA keep float32 copies of the queries and keys (on TPU it widened the
+# projections' outputs; the 32B v5e-256 flash compile needed 0.6 GiB more temporaries per device). Its own VJP
+# would round the two terms of each gradient to x's dtype before adding them; the backward below is the float32
+# rotation by minus the angle, rounded once, as differentiating the float32 formula gives.
+@jax.custom_vjp
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  sin, cos = jnp.concatenate([sin, sin], axis=-1), jnp.concatenate([cos, cos], axis=-1)
-  out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
-  return out.astype(x.dtype)
+  cos2, sin2 = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
+  return (x.astype(jnp.float32) * cos2 + rotated.astype(jnp.float32) * sin2).astype(x.dtype)
+
+
+def _rotate_fwd(x, cos, sin):
+  return _rotate(x, cos, sin), (cos, sin, jnp.zeros((), x.dtype))
+
+
+def _rotate_bwd(residuals, g):
+  cos, sin, like = residuals
+  g1, g2 = jnp.split(g.astype(jnp.float32), 2, axis=-1)
+  dx = jnp.concatenate([g1 * cos + g2 * sin, g2 * cos - g1 * sin], axis=-1)
+  return dx.astype(like.dtype), None, None  # cos and sin come from positions and constants: no gradient
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
