@@ -1,6 +1,5 @@
 """Checkpoint rules: paths, save / restore round trips, what a run starts from, and the one-line errors."""
 
-import contextlib
 import dataclasses
 import gc
 import json
@@ -19,7 +18,7 @@ from MaxText import checkpointing, integrity, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
-from MaxText.tests.helpers import array_files, assert_trees_equal, config, flip_a_stored_bit
+from MaxText.tests.helpers import array_files, assert_trees_equal, checkpoint_manager, config, flip_a_stored_bit
 
 MESH = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
 CHECKPOINTS = ("enable_checkpointing=true", "async_checkpointing=false")
@@ -69,23 +68,13 @@ def env():
   return Env(cfg, mesh, model, tx, layout, base, shift)
 
 
-@contextlib.contextmanager
-def _manager(cfg):
-  manager = checkpointing.create_manager(cfg)
-  try:
-    yield manager
-  finally:
-    manager.wait_until_finished()
-    manager.close()
-
-
 def _save(cfg, state) -> bool:
-  with _manager(cfg) as manager:
+  with checkpoint_manager(cfg) as manager:
     return checkpointing.save(manager, state)
 
 
 def _start(cfg, env) -> checkpointing.StartingPoint:
-  with _manager(cfg) as manager:
+  with checkpoint_manager(cfg) as manager:
     return checkpointing.restore_or_init(cfg, manager, env.model, env.tx, env.layout)
 
 
@@ -423,7 +412,7 @@ def test_resume_fails_when_no_checkpoint_verifies(tmp_path, env):
 def test_a_damaged_data_state_is_skipped_too(tmp_path, env):
   cfg = _cfg(tmp_path, "run_name=r").replace(dataset_type="grain")
   for step in (2, 5):
-    with _manager(cfg) as manager:
+    with checkpoint_manager(cfg) as manager:
       assert checkpointing.save(manager, env.variant(step), {"next_index": step})
   data = os.path.join(checkpointing.checkpoint_dir(cfg), "5", checkpointing.DATA_ITEM, "process_0-of-1.json")
   with open(data) as f:
@@ -443,7 +432,7 @@ def test_a_config_mismatch_is_an_error_not_damage(tmp_path, env):
   mesh = sharding.create_mesh(wider, jax.devices()[:4])
   model = models.Transformer(wider, mesh)
   layout = state_lib.state_layout(model, wider, env.tx, mesh)
-  with _manager(wider) as manager:
+  with checkpoint_manager(wider) as manager:
     message = _one_line_error(checkpointing.restore_or_init, wider, manager, model, env.tx, layout)
   assert "damaged" not in message and "use the model config it was saved with" in message
 

@@ -180,6 +180,19 @@ class Hung(BaseException):
 
 
 @contextlib.contextmanager
+def checkpoint_manager(cfg):
+  """checkpointing.create_manager(cfg), its saves finished and closed on exit."""
+  from MaxText import checkpointing  # noqa: PLC0415  (helpers stays light for the tests that never checkpoint)
+
+  manager = checkpointing.create_manager(cfg)
+  try:
+    yield manager
+  finally:
+    manager.wait_until_finished()
+    manager.close()
+
+
+@contextlib.contextmanager
 def deadline(seconds: int):
   """Raises Hung in the block after `seconds` (SIGALRM), so a test of a would-be hang fails instead of hanging."""
 

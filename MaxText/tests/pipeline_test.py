@@ -6,8 +6,6 @@ layers stage-major: against the plain layout permuted by the schedule's formula 
 through checkpoints both ways, and its compiled step moves no weights between devices.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,13 @@ from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, pipeline
-from MaxText.tests.helpers import assert_mesh_loss_and_grads_equal, assert_trees_equal, config, train_batch
+from MaxText.tests.helpers import (
+  assert_mesh_loss_and_grads_equal,
+  assert_trees_equal,
+  checkpoint_manager,
+  config,
+  train_batch,
+)
 
 EIGHT_LAYERS = ("override_model_config=true", "base_num_decoder_layers=8")
 MOE = ("decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=48")
@@ -283,16 +287,6 @@ def test_the_stored_order_of_every_leaf_of_the_stack(args):
   assert_trees_equal(jax.device_get(pipeline.to_natural(cfg, stored)), tree)
 
 
-@contextlib.contextmanager
-def _manager(cfg):
-  manager = checkpointing.create_manager(cfg)
-  try:
-    yield manager
-  finally:
-    manager.wait_until_finished()
-    manager.close()
-
-
 def test_checkpoints_move_between_circular_and_plain_layouts(tmp_path):
   """A plain run's checkpoint (random params and optimizer state, distinct in every layer) restores into a
   circular run stage-major; the circular run's next checkpoint restores into the plain run as the same state."""
@@ -310,9 +304,9 @@ def test_checkpoints_move_between_circular_and_plain_layouts(tmp_path):
   saved = jax.device_put(jax.tree_util.tree_map(random, plain.layout.abstract), plain.layout.shardings)
   step = lambda k: jax.device_put(jnp.int32(k), plain.layout.shardings.step)  # noqa: E731
   saved = saved.replace(step=step(3))
-  with _manager(plain_cfg) as manager:
+  with checkpoint_manager(plain_cfg) as manager:
     assert checkpointing.save(manager, saved, config=plain_cfg)
-  with _manager(circular_cfg) as manager:
+  with checkpoint_manager(circular_cfg) as manager:
     restored = checkpointing.restore_or_init(circular_cfg, manager, circular.model, circular.tx, circular.layout).state
   assert_trees_equal(jax.device_get(restored), _circular_tree(saved, circular_cfg))
   for array, want in zip(
@@ -320,9 +314,9 @@ def test_checkpoints_move_between_circular_and_plain_layouts(tmp_path):
   ):
     assert array.sharding == want
 
-  with _manager(circular_cfg) as manager:
+  with checkpoint_manager(circular_cfg) as manager:
     assert checkpointing.save(manager, restored.replace(step=step(4)), config=circular_cfg)
-  with _manager(plain_cfg) as manager:
+  with checkpoint_manager(plain_cfg) as manager:
     back = checkpointing.restore_or_init(plain_cfg, manager, plain.model, plain.tx, plain.layout).state
   assert_trees_equal(jax.device_get(back), jax.device_get(saved.replace(step=step(4))))
 
