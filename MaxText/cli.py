@@ -158,7 +158,13 @@ def check_writable(key: str, path: str, folder: bool) -> None:
   existing = check_kind(key, path, folder)
   if not os.access(existing, os.W_OK):
     raise ConfigError(f"{key}={cut(path)}: {cut(existing)} is not writable by this user; pass a writable path")
-  free = shutil.disk_usage(existing).free
+  usage = shutil.disk_usage(existing)
+  if usage.total == 0:  # procfs, sysfs and the like: no blocks at all, not a full disk
+    raise ConfigError(
+      f"{key}={cut(path)}: {cut(existing)} is on a virtual file system (as /proc and /sys are), which holds no files; "
+      "pass a path on a disk"
+    )
+  free = usage.free
   if free < MIN_FREE_BYTES:
     raise ConfigError(
       f"{key}={cut(path)}: no space left on the device of {cut(existing)} ({free // 1024} KiB free); free space or "
@@ -215,11 +221,41 @@ def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
   return {"xla_cpu_experimental_ynn_fusion_type": CPU_YNN_FUSIONS}
 
 
+# The line of a run's config.yml after which its derived values follow, each as a comment "#   key: value".
+DERIVED_MARKER = "# Derived from these keys on this run's devices (recomputed when the file is loaded; not keys):"
+
+
 def write_resolved_config(config: Config, directory: str) -> None:
-  """{directory}/config.yml: the config as resolved, for reproducibility (process 0 only)."""
-  if jax.process_index() == 0:
-    storage.makedirs(directory)
-    storage.write_text(storage.join(directory, "config.yml"), yaml.safe_dump(config.as_dict(), sort_keys=True))
+  """{directory}/config.yml (process 0 only): base.yml's keys as the run set them, a config file that loads back
+  (`train.py RUN/config.yml`, decode.py, serve.py), then its derived values as comments, for reading. A preset's
+  keys are written out and model_name is "default": a preset's keys would otherwise override the file's (the
+  precedence is MaxText's: file < preset < command line), and an overridden preset key would load wrong."""
+  if jax.process_index() != 0:
+    return
+  given = pyconfig.given(config)
+  header = [
+    f"# The configuration of run {given['run_name'] or '(unnamed)'}, written by train.py at each start. Load it back:",
+    "#   python3 MaxText/train.py THIS_FILE [key=value ...]   (or decode.py, serve.py)",
+  ]
+  if given["model_name"] != "default":
+    preset = given["model_name"]
+    header.append(f"# model_name={preset}: its keys are written out below, so model_name is 'default' here.")
+    given["model_name"] = "default"
+  if given["server_api_key"]:  # a secret (serve.py's), never written to disk
+    header.append("# server_api_key is set but not written here: give it as M_SERVER_API_KEY.")
+    given["server_api_key"] = ""
+  derived = {k: v for k, v in config.as_dict().items() if k not in given}
+  lines = yaml.safe_dump(derived, sort_keys=True, width=1 << 20).splitlines()
+  text = "\n".join([*header, yaml.safe_dump(given, sort_keys=True).rstrip("\n"), DERIVED_MARKER])
+  text += "\n" + "".join(f"#   {line}\n" for line in lines)
+  storage.makedirs(directory)
+  storage.write_text(storage.join(directory, "config.yml"), text)
+
+
+def read_derived(text: str) -> dict:
+  """The derived values a config.yml written by write_resolved_config lists after DERIVED_MARKER."""
+  _, _, tail = text.partition(DERIVED_MARKER)
+  return yaml.safe_load("".join(line[4:] + "\n" for line in tail.splitlines() if line.startswith("#   "))) or {}
 
 
 def log(message: str) -> None:

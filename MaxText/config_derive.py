@@ -29,7 +29,7 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   `check_topology` have accepted. Model shapes follow MaxText's global_parameter_scale; the mesh is ICI x DCN;
   batch sizes are global."""
   d = model_dims(values)
-  d |= _schedule(values)
+  d |= schedule(values)
   d |= _mesh(values, num_devices, num_slices)
   d |= _batches(values, num_devices)
   d |= _pipeline(values, d)
@@ -68,7 +68,7 @@ def model_dims(values: Mapping) -> dict:
   }
 
 
-def _schedule(values: Mapping) -> dict:
+def schedule(values: Mapping) -> dict:
   """steps and learning_rate_schedule_steps, each -1 taking the other; the warmup in steps."""
   steps = values["learning_rate_schedule_steps"] if values["steps"] == -1 else values["steps"]
   schedule = steps if values["learning_rate_schedule_steps"] == -1 else values["learning_rate_schedule_steps"]

@@ -14,6 +14,7 @@ This module ties them together:
   finalize(values, num_devices, slices)  -> Config
   load(argv, num_devices, num_slices)    -> Config
   replace(config, **changes)             -> Config, validated and derived again
+  given(config)                          -> the values it was derived from (base.yml's keys as the run set them)
 
 Reading a config never starts jax.distributed, creates a directory or touches the network. A user mistake raises
 `ConfigError` whose message names the key, the value and the fix.
@@ -24,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from MaxText import config_derive, config_parse, config_validate
-from MaxText.common_types import Config, freeze
+from MaxText.common_types import Config, freeze, thaw
 from MaxText.config_derive import PARALLELISM_AXES
 from MaxText.config_parse import BASE_YML, CONFIGS_DIR, MODELS_DIR, PATH_KEYS, absolute_path, defaults
 from MaxText.config_validate import HARDWARE_PLATFORMS, choices
@@ -41,6 +42,7 @@ __all__ = [
   "defaults",
   "derive",
   "finalize",
+  "given",
   "load",
   "parse",
   "replace",
@@ -87,6 +89,15 @@ def finalize(values: Mapping, num_devices: int, num_slices: int = 1) -> Config:
 def load(argv: Sequence[str], num_devices: int, num_slices: int = 1, env: Mapping[str, str] | None = None) -> Config:
   """Parses argv (`[config.yml, key=value, ...]`) and the environment into a frozen Config."""
   return finalize(parse(argv, env), num_devices, num_slices)
+
+
+def given(config: Config) -> dict[str, Any]:
+  """base.yml's keys as the run set them, lists as lists: before derivation (-1 stays -1), with the preset's keys
+  written out and paths absolute. A Config not made by `load` or `finalize` (tests' Config.replace) gives its own
+  values of those keys."""
+  values = config._raw if isinstance(config, _Resolved) else config.as_dict()
+  schema = defaults()
+  return {k: thaw(v) for k, v in values.items() if k in schema}
 
 
 def replace(config: Config, **changes) -> Config:

@@ -439,6 +439,11 @@ def build(config: Config, devices=None) -> Parts:
       f"quantization={config.quantization} quantizes weights for inference (decode.py, serve.py); train with "
       "int8, fp8 or fp8_full, or without quantization"
     )
+  if config.quantize_kvcache and not config.use_rl:  # RL's rollouts decode through the engine, whose cache it is
+    raise ConfigError(
+      "quantize_kvcache=true quantizes the KV cache of decoding (decode.py, serve.py, RL rollouts); a training step "
+      "keeps none, so it would do nothing here: drop it"
+    )
   quantizations.check_devices(config, mesh.devices.flat[0])
   model = quantizations.quantize_model(models.Transformer(config, mesh), config)
   if config.lora_rank > 0 and not jax.tree_util.tree_leaves(lora.partition(state_lib.abstract_params(config))[0]):

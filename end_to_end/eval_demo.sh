@@ -62,9 +62,12 @@ done
 [ -n "$BASE" ] || { tail -20 "$OUT/serve.log"; echo "error: serve.py did not answer /health in 5 minutes" >&2; exit 1; }
 echo "serving at $BASE"
 
+# lm-eval records `git describe` of the folder it runs in, where git prints "fatal: not a git repository": in a git
+# checkout it records this repository's commit instead (GIT_DIR), which says what code was evaluated.
+GIT_DIR_OF_REPO=$(git rev-parse --absolute-git-dir 2>/dev/null || true)
 lm_eval() {  # the task data is read from the folder lm_eval runs in
-  (cd "$OUT/eval" && python3 -m lm_eval run --include_path "$TASKS" --apply_chat_template \
-    --output_path "$OUT/lm_eval" --log_samples "$@")
+  (cd "$OUT/eval" && ${GIT_DIR_OF_REPO:+env GIT_DIR="$GIT_DIR_OF_REPO"} python3 -m lm_eval run --include_path "$TASKS" \
+    --apply_chat_template --output_path "$OUT/lm_eval" --log_samples "$@")
 }
 echo "== lm-eval: finetune_heldout_gen through local-chat-completions"
 lm_eval --model local-chat-completions --tasks finetune_heldout_gen --model_args \

@@ -224,9 +224,10 @@ if sort -u "$WORK/listeners.txt" | awk '{print $1}' | grep -vqE '^(127\.[0-9.]+|
 fi
 
 "$PYTHON" - "$WORK" "$TOL" <<'PY'
-import json, sys, yaml
+import json, sys
+from MaxText import cli
 work, tol = sys.argv[1], float(sys.argv[2])
-resolved = yaml.safe_load(open(f"{work}/runs/slurm/config.yml"))
+resolved = cli.read_derived(open(f"{work}/runs/slurm/config.yml").read())
 if (resolved["num_devices"], resolved["num_slices"]) != (8, 2):
   sys.exit(f"error: the SLURM job ran on {resolved['num_devices']} devices in {resolved['num_slices']} slices, not 8 in 2")
 def losses(name):

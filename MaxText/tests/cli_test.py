@@ -103,12 +103,26 @@ def test_configure_jax_sets_the_platform_of_the_hardware_unless_jax_platforms_is
   assert updates["jax_compilation_cache_dir"] == os.path.expanduser("~/cache") and "jax_platforms" not in updates
 
 
-def test_the_resolved_config_is_written_as_it_was_resolved(tmp_path):
-  cfg = config("steps=7", "mlp_activations=['gelu','linear']", override_model_config="true")
+def test_the_resolved_config_loads_back_as_the_same_config(tmp_path):
+  """config.yml is a config file: loaded back on the same devices it gives the run's config, every key and derived
+  value equal, a preset key the run overrode included (a preset's keys would override a file's: model_name is
+  written as 'default'); its derived values, listed as comments, are the run's."""
+  cfg = config("steps=7", "mlp_activations=['gelu','linear']", "base_emb_dim=48", "ici_fsdp_parallelism=-1",
+               override_model_config="true", num_devices=4)  # fmt: skip
   cli.write_resolved_config(cfg, str(tmp_path / "run"))
-  with open(tmp_path / "run" / "config.yml", encoding="utf-8") as f:
-    written = yaml.safe_load(f)
-  assert written == cfg.as_dict() and written["steps"] == 7 and written["mlp_activations"] == ["gelu", "linear"]
+  path = tmp_path / "run" / "config.yml"
+  again = pyconfig.load([str(path)], num_devices=4, env={})
+  assert {**again.as_dict(), "model_name": "tiny"} == cfg.as_dict()
+  assert again.emb_dim == 48 and again.steps == 7 and again.mlp_activations == ("gelu", "linear")
+  written = yaml.safe_load(path.read_text())
+  assert written["ici_fsdp_parallelism"] == -1 and "mesh_shape" not in written  # as given; derived ones are comments
+  derived = cli.read_derived(path.read_text())
+  assert derived["mesh_shape"] == list(cfg.mesh_shape) and derived["num_devices"] == 4 and derived["emb_dim"] == 48
+  assert set(derived) | set(written) == set(cfg.as_dict())
+  keyed = config(server_api_key="s3cret")  # serve.py's secret is never written to disk
+  cli.write_resolved_config(keyed, str(tmp_path / "keyed"))
+  text = (tmp_path / "keyed" / "config.yml").read_text()
+  assert "s3cret" not in text and yaml.safe_load(text)["server_api_key"] == "", text
 
 
 # Every entry point, run as a file: the script path preamble (MaxText/script_path.py, and its link in tests/)
@@ -316,3 +330,17 @@ sys.exit(cli.run_cli(body, sys.argv))
 """
   proc = run([sys.executable, "-c", code, BASE_YML, *overrides()], {**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
   assert proc.returncode == 1 and proc.stderr == "error: no space left on device\n", proc.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs")
+def test_an_output_under_proc_is_a_virtual_file_system_not_a_full_disk(capsys):
+  """/proc has no blocks (0 bytes total, 0 free): a path there is refused as what it is. It was reported as "no space
+  left on the device", which sends the user looking for disk space."""
+  with pytest.raises(ConfigError, match=r"^save_quantized_params_path=/proc/q: /proc is on a virtual file system"):
+    cli.check_writable("save_quantized_params_path", "/proc/q", folder=True)
+  from MaxText import decode
+
+  args = overrides("quantization=int8w", "save_quantized_params_path=/proc/maxtext_quantized")
+  assert decode.main(["decode.py", BASE_YML, *args]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "virtual file system" in err and "no space" not in err, err

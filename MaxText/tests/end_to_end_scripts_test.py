@@ -147,6 +147,7 @@ def check_eval(request, tmp_path):
   base_run = os.path.join(request.getfixturevalue("quickstart")[0], "demo")
   out = tmp_path / "eval"
   text = run_script(["end_to_end/eval_demo.sh", "--quick", str(out), base_run])
+  assert "fatal:" not in text, text[text.index("fatal:") - 500 :][:1000]  # lm-eval's `git describe` outside a checkout
   with open(out / "eval" / "accuracy.json", encoding="utf-8") as f:
     summary = json.load(f)
   n = summary["questions"]
@@ -407,6 +408,8 @@ def test_readme_quick_start_plots_the_metrics_file_it_writes():
   (written,) = re.findall(r"metrics_file=(\S+)", train)
   assert train.startswith("python3 MaxText/train.py MaxText/configs/demo.yml run_name=demo ")
   assert plot.split()[:3] == ["python3", "end_to_end/plot_metrics.py", written], (plot, written)
+  # The picture goes beside the run, not into the folder the command runs in (the repository, in the quick start).
+  assert os.path.dirname(plot.split()[3]) == os.path.dirname(written), plot
   assert decode.startswith("python3 MaxText/decode.py MaxText/configs/demo.yml run_name=demo ")
   assert "decode_sampling_strategy=greedy" in decode
 

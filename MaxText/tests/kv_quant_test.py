@@ -223,3 +223,13 @@ def test_sharded_int8_cache_decodes_as_one_device(axis):
       assert q.scales.sharding.spec == split and heads == eight.num_kv_heads // 2
     else:
       assert q.scales.sharding.spec == whole and heads == 1
+
+
+def test_train_py_refuses_the_int8_cache_it_would_not_use(tmp_path, capsys):
+  """quantize_kvcache is an inference key: train.py has no KV cache unless it decodes RL rollouts, so it refuses it in
+  one line (it was accepted and did nothing)."""
+  args = overrides("quantize_kvcache=true", f"base_output_directory={tmp_path}", "steps=1")
+  assert train.main(["train.py", BASE_YML, *args]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: quantize_kvcache=true quantizes the KV cache of decoding") and err.count("\n") == 1
+  assert not os.listdir(tmp_path)  # refused before the run wrote anything
