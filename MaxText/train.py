@@ -23,13 +23,13 @@ import optax
 import tqdm
 import yaml
 
-from MaxText import checkpointing, cli, compiled_step, input_pipeline, metrics, optimizers, pyconfig, storage
+from MaxText import checkpointing, cli, compiled_step, config_derive, input_pipeline, metrics, optimizers, pyconfig, storage
 from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import Config, ConfigError, TrainingError
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import pipeline
-from MaxText.rl import rollouts
+from MaxText.rl import rewards, rollouts
 
 
 @dataclasses.dataclass
@@ -105,7 +105,9 @@ def train(config: Config, devices=None, started: float | None = None) -> TrainSu
   checkpointing.check_start_paths(config, parts.layout)  # Before anything is written.
   input_pipeline.check(config)
   if config.use_rl:
-    rollouts.check(config)
+    imported = rewards.imported(rollouts.check(config))
+    if imported:  # A config naming "module:function" runs that module's code: say which.
+      cli.log(imported)
   checkpointing.check_shared_run_dir(config)
 
   manager = checkpointing.create_manager(config)
@@ -170,12 +172,14 @@ def _schedule_change(config: Config, schedule: optax.Schedule, first_step: int) 
   """A warning line when a resumed run's learning-rate schedule differs from the one it last ran with (the run's
   config.yml, written at each start): extending `steps` stretches the schedule, so the rate jumps."""
   path = storage.join(checkpointing.run_dir(config), "config.yml")
+  read = (*optimizers.SCHEDULE_KEYS, "warmup_steps")
   try:
     earlier = yaml.safe_load(storage.read_text(path)) if storage.isfile(path) else None
-  except (OSError, yaml.YAMLError):
+    # config.yml holds the keys as given (learning_rate_schedule_steps=-1 follows steps): resolved as they were.
+    earlier = {**earlier, **config_derive.schedule(earlier)}
+  except (OSError, yaml.YAMLError, TypeError, ValueError, KeyError):  # None, or not a config.yml of ours
     return None
-  read = (*optimizers.SCHEDULE_KEYS, "warmup_steps")
-  if not isinstance(earlier, dict) or any(key not in earlier for key in read):
+  if any(key not in earlier for key in read):
     return None
   changed = [key for key in optimizers.SCHEDULE_KEYS if earlier[key] != getattr(config, key)]
   if not changed:
@@ -260,26 +264,41 @@ def _next_batch(run: Run, stop: cli.StopRequest, state: state_lib.TrainState, co
   SIGTERM or SIGINT during it stops the run there; data that runs out (a finite num_epoch) stops it too. Either
   way the steps completed since the last save are saved, with the data position from before the wait, and the
   run exits with one line. In a multi-process job nothing is saved here: the other processes are in the step's
-  collectives, not in a save (and signals are JAX's preemption service's, see cli.StopRequest)."""
+  collectives, not in a save (and signals are JAX's preemption service's, see cli.StopRequest).
+
+  RL: the wait is rollouts and rewards. A signal during it wins over whatever else it ended in: a reward's error
+  (the signal's exception, raised in a built-in reward on this thread, can come out as one), or a batch made anyway
+  (math-verify's parser catches every Exception, the signal's too, and scores the text 0). The step's batch is then
+  dropped: the last completed step's state is saved with the prompts' position from before it, so the resumed run
+  regenerates it bit for bit (its seeds are the step's). A KeyboardInterrupt that a reward function raises (not a
+  second Ctrl-C, which stops at once) is an interrupt too."""
   saves = run.manager is not None and completed > run.first_step and jax.process_count() == 1
   position = run.data.get_state() if saves and run.config.dataset_type != "synthetic" else None
   try:
     with stop.interrupting():
       if not run.config.use_rl:
-        return next(run.data)
-      batch = run.data.batch(state.params, completed)
-      if batch is None:
-        raise StopIteration
+        batch = next(run.data)
+      else:
+        batch = run.data.batch(state.params, completed)
+        if batch is None:
+          raise StopIteration
+      if stop.signal_name is not None:  # A signal whose exception the data's code caught.
+        raise cli.StopRequest.Interrupted(stop.signal_name)
       return batch
   except ConfigError as e:  # RL: a reward function's mistake, or prompts that fit no more, met mid-run
-    if not saves:
-      raise
-    _save(run, state, completed, position)
-    run.manager.wait_until_finished()
-    raise ConfigError(f"{e}; checkpoint {completed} is saved: fix it and run the same command to resume") from None
+    if stop.signal_name is None:
+      if not saves:
+        raise
+      _save(run, state, completed, position)
+      run.manager.wait_until_finished()
+      raise ConfigError(f"{e}; checkpoint {completed} is saved: fix it and run the same command to resume") from None
+    why, fix = _interrupted(stop.signal_name, completed)
   except cli.StopRequest.Interrupted:
-    what = "preempted" if stop.signal_name == "SIGTERM" else "interrupted"
-    why, fix = f"{what} ({stop.signal_name}) while waiting for the data of step {completed}", "run the same command again"
+    why, fix = _interrupted(stop.signal_name, completed)
+  except KeyboardInterrupt:
+    if stop.signal_name is not None:  # A second Ctrl-C: stop at once.
+      raise
+    why, fix = _interrupted("SIGINT", completed)
   except StopIteration:
     why = f"the training data ran out before step {completed} (num_epoch={run.config.num_epoch})"
     fix = "raise num_epoch or lower steps, then run again"
@@ -291,6 +310,12 @@ def _next_batch(run: Run, stop: cli.StopRequest, state: state_lib.TrainState, co
   if latest is None:
     raise TrainingError(f"{why}; no checkpoint is saved: {fix}")
   raise TrainingError(f"{why}; checkpoint {latest} is the latest: {fix} to resume from it")
+
+
+def _interrupted(signal_name: str, completed: int) -> tuple[str, str]:
+  """(why, fix) of a run stopped by `signal_name` while it waited for the data of step `completed`."""
+  what = "preempted" if signal_name == "SIGTERM" else "interrupted"
+  return f"{what} ({signal_name}) while waiting for the data of step {completed}", "run the same command again"
 
 
 def _log(run: Run, step: int, scalars: dict, summary: TrainSummary, writer: metrics.MetricWriter) -> None:
@@ -431,7 +456,7 @@ def _finish(summary: TrainSummary, config: Config, clock: metrics.StepClock) -> 
 def _train_cli(config: Config, started: float) -> None:
   if config.log_config:  # The keys that differ from base.yml; config.yml in the run's folder has them all.
     defaults = pyconfig.defaults()
-    changed = [f"{k}={v}" for k, v in sorted(config.as_dict().items()) if k in defaults and v != defaults[k]]
+    changed = [f"{k}={v}" for k, v in sorted(pyconfig.given(config).items()) if v != defaults[k]]
     cli.log(
       f"Config (where it differs from base.yml; every key: {checkpointing.run_dir(config)}/config.yml): {' '.join(changed)}"
     )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText import input_pipeline, sharding
-from MaxText.common_types import Config, ConfigError
+from MaxText.common_types import Config, ConfigError, shown
 from MaxText.inference import engine as engine_lib
 from MaxText.inference import prompts as prompts_lib
 from MaxText.inference.sampling import Sampling
@@ -74,19 +74,36 @@ class Prompt:
       while end and isinstance(value[end - 1], dict) and value[end - 1].get("role") == "assistant":
         end -= 1
       value = value[:end]
-    return {"tokens": np.asarray(self.tokens(value), np.int32), "prompt": value, "columns": columns}
+    return {"tokens": np.asarray(self.tokens(value, column), np.int32), "prompt": value, "columns": columns}
 
-  def tokens(self, value) -> list[int]:
+  def tokens(self, value, column: str) -> list[int]:
     from MaxText.input_pipeline import sft
 
     if isinstance(value, str):
       return prompts_lib.prompt_tokens(self.config, self.tokenizer, [value])[0]
+    if not (isinstance(value, list) and all(isinstance(turn, dict) for turn in value)):
+      raise ConfigError(
+        f"{self.key}=[{column!r}]: a record's {column!r} is {_kind(value)}; expected a string, or a list of "
+        "{'role', 'content'} turns (or a 'messages' column) with use_chat_template=true"
+      )
     if not self.config.use_chat_template:
-      raise ConfigError(f"{self.key}: a prompt holds turns, which need a chat template; set use_chat_template=true")
+      raise ConfigError(
+        f"{self.key}=[{column!r}]: a record's {column!r} holds turns, which need a chat template; set use_chat_template=true"
+      )
     turns = sft.check_turns(value, self.key, need_assistant=False)
     if not turns:
       raise ConfigError(f"{self.key}: a conversation has no turn before its assistant turns; give a prompt")
     return prompts_lib.chat_tokens(self.config, self.tokenizer, turns)
+
+
+def _kind(value) -> str:
+  """What a prompt column's value is, for an error: its type and value, for a list the types of its items."""
+  if value is None:
+    return "null (None)"
+  if isinstance(value, list):
+    inner = sorted({type(item).__name__ for item in value})
+    return f"a list of {', '.join(inner)} {shown(value, 80)}"
+  return f"{type(value).__name__} {shown(value, 80)}"
 
 
 def check_columns(config: Config, key: str) -> None:
@@ -144,11 +161,11 @@ class Prompts:
     self.iterator.set_state(json.loads(state) if isinstance(state, bytes) else state)
 
 
-def check(config: Config) -> None:
-  """What a run's rollouts need, before it writes anything: the engine's keys, the reward functions (imported), the
-  batch as whole groups of num_generations, and prompts that the columns name and that fit."""
+def check(config: Config) -> list[rewards_lib.Reward]:
+  """What a run's rollouts need, before it writes anything: the engine's keys, the reward functions (imported; they
+  are returned), the batch as whole groups of num_generations, and prompts that the columns name and that fit."""
   engine_lib.check(config)
-  rewards_lib.load(config)
+  loaded = rewards_lib.load(config)
   check_prompts(config, "train")
   if config.eval_interval > 0:
     check_prompts(config, "eval")
@@ -157,6 +174,7 @@ def check(config: Config) -> None:
       f"global_batch_size={config.global_batch_size} (per_device_batch_size x devices) is not a multiple of "
       f"num_generations={config.num_generations}: each step's batch is whole groups of completions; change either"
     )
+  return loaded
 
 
 def check_prompts(config: Config, split: str) -> None:
@@ -313,9 +331,10 @@ class Rollouts:
     totals = rewards_lib.total(self.rewards, rollout.scores)
     lengths = np.asarray([len(rollout.completion_tokens(r)) for r in rollout.results])
     groups = totals.reshape(-1, self.generations)
+    mean, std = rewards_lib.mean_and_std(totals)  # rewards of any finite size: np.mean of 1e308s overflows
     out = {
-      "rl/reward_mean": float(totals.mean()),
-      "rl/reward_std": float(totals.std()),
+      "rl/reward_mean": mean,
+      "rl/reward_std": std,
       "rl/completion_length_mean": float(lengths.mean()),
       "rl/completion_length_max": float(lengths.max()),
       "rl/truncated_fraction": float(np.mean([r.finish_reason == "length" for r in rollout.results])),
@@ -326,8 +345,9 @@ class Rollouts:
       "rl/prompts_skipped": float(self.prompts.dropped),
     }
     for f, reward in enumerate(self.rewards):
-      out[f"rl/reward_{reward.name}_mean"] = float(rollout.scores[:, f].mean())
-      out[f"rl/reward_{reward.name}_std"] = float(rollout.scores[:, f].std())
+      out[f"rl/reward_{reward.name}_mean"], out[f"rl/reward_{reward.name}_std"] = rewards_lib.mean_and_std(
+        rollout.scores[:, f]
+      )
     if lap_seconds is not None:
       out["rl/train_seconds_per_update"] = (lap_seconds - self.lap_seconds) / steps
     self.lap_seconds = 0.0
@@ -350,8 +370,9 @@ class Rollouts:
     if not scores:
       raise ConfigError("the evaluation split gave no prompt that fits max_prefill_predict_length; give eval prompts")
     scores = np.concatenate(scores)
-    out = {"eval/reward": float(rewards_lib.total(self.rewards, scores).mean()), "eval/total_weights": len(scores)}
-    return out | {f"eval/reward_{r.name}": float(scores[:, f].mean()) for f, r in enumerate(self.rewards)}
+    mean = rewards_lib.mean_and_std(rewards_lib.total(self.rewards, scores))[0]
+    out = {"eval/reward": mean, "eval/total_weights": len(scores)}
+    return out | {f"eval/reward_{r.name}": rewards_lib.mean_and_std(scores[:, f])[0] for f, r in enumerate(self.rewards)}
 
   def get_state(self) -> dict:
     return self.prompts.get_state()

@@ -1,15 +1,21 @@
 """MaxText/rl/rewards.py: the built-in rewards, loading "module:function", the one-line errors, the weighted total
 and GRPO's group advantages against a float64 reference written out here."""
 
+import fractions
 import math
+import os
+import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from MaxText import cli
 from MaxText.common_types import Config, ConfigError
 from MaxText.rl import rewards
+from MaxText.tests.helpers import deadline, run
 
 HERE = "MaxText.tests.rl_rewards_test"
 NOT_CALLABLE = 3
@@ -47,6 +53,7 @@ def _config(**changes) -> Config:
     "reward_functions": ("exact_match",),
     "reward_weights": (),
     "reward_format_regex": "",
+    "reward_timeout_seconds": 600.0,
   }
   return Config({**values, **changes})
 
@@ -219,6 +226,11 @@ def test_a_module_that_raises_on_import_is_named_with_its_error(tmp_path, monkey
       {"reward_functions": ("format",), "reward_format_regex": "(a"},
       ["reward_format_regex='(a' does not compile", "re.error"],
     ),
+    ({"reward_timeout_seconds": 0.0}, ["reward_timeout_seconds=0.0", "> 0"]),
+    ({"reward_timeout_seconds": -5}, ["reward_timeout_seconds=-5"]),
+    ({"reward_timeout_seconds": math.inf}, ["reward_timeout_seconds=inf"]),
+    ({"reward_timeout_seconds": math.nan}, ["reward_timeout_seconds=nan"]),
+    ({"reward_timeout_seconds": True}, ["reward_timeout_seconds=True"]),
   ],
 )
 def test_check_refuses_in_one_line_naming_the_key(changes, fragments):
@@ -299,3 +311,208 @@ def test_group_advantages_refuse_a_partial_group():
     rewards.group_advantages(np.zeros(6), 4)
   with pytest.raises(ValueError, match="num_generations=1"):
     rewards.group_advantages(np.zeros(6), 1)
+
+
+def test_advantages_of_rewards_near_float64_s_limit_are_finite_and_exact():
+  """1e308s overflow a plain group mean (inf - inf: NaN advantages); scaled by a power of two they normalise like
+  any rewards. Reference: the formula in exact rational arithmetic (the square root, and ADVANTAGE_EPS, which is
+  nothing beside a std of 1e308, aside)."""
+  totals = np.array([1e308, -1e308, 1e308, 0.0, 1.7e308, 1.7e308, 1.7e308, -1.7e308, 5e-324, 0.0, 0.0, 0.0])
+  got = rewards.group_advantages(totals, 4)
+  assert np.isfinite(got).all(), got
+  for start in (0, 4):
+    members = [fractions.Fraction(float(r)) for r in totals[start : start + 4]]
+    mean, largest = sum(members) / 4, max(abs(m) for m in members)
+    std_over_largest = math.sqrt(float(sum((r - mean) ** 2 for r in members) / 3 / largest**2))  # within range
+    want = [float((r - mean) / largest) / std_over_largest for r in members]
+    np.testing.assert_allclose(got[start : start + 4], want, rtol=1e-6)  # float32's rounding
+  # 5e-324 (the least subnormal) against zeros: its std is far below ADVANTAGE_EPS, so advantages ~5e-320 -> 0.
+  np.testing.assert_array_equal(got[8:], 0.0)
+  assert rewards.mean_and_std(np.array([1e308, 1e308, 1e308])) == (1e308, 0.0)
+  mean, std = rewards.mean_and_std(np.array([1.5e308, -0.5e308]))
+  assert mean == pytest.approx(0.5e308, rel=1e-15) and std == pytest.approx(1e308, rel=1e-15)
+
+
+def _loaded(*pairs):
+  return [rewards.Reward(name, returns(None), weight) for name, weight in pairs]
+
+
+def test_a_total_beyond_float64_names_the_rewards_that_made_it():
+  """Finite scores whose weighted sum overflows: one line naming the function(s), not an inf total."""
+  loaded = _loaded(("mod:big", 2.0), ("mod:small", 1.0))
+  message = _one_line_error(rewards.RewardError, rewards.total, loaded, np.array([[1.0, 0.0], [1e308, 3.0]]))
+  assert "completion 1 is 2 x 1e+308 + 1 x 3 = inf" in message
+  assert "from reward function mod:big (1 of 2 completions)" in message
+  loaded = _loaded(("mod:a", 1.0), ("mod:b", 1.0), ("mod:c", 1.0))
+  message = _one_line_error(rewards.RewardError, rewards.total, loaded, np.array([[1e308, 1e308, 0.0]]))
+  assert "from reward functions mod:a, mod:b (1 of 1 completions)" in message  # each finite, their sum not
+  loaded = _loaded(("mod:a", 1.0), ("mod:b", -1.0))
+  message = _one_line_error(rewards.RewardError, rewards.total, loaded, np.array([[1e308, -1e308], [1.0, 1.0]]))
+  assert "= inf" in message and "mod:a, mod:b" in message
+
+
+# ------------------------------------------------------------------------------------------ hangs, exits, signals
+@pytest.fixture
+def held():
+  """An event a hanging reward waits on, set at the test's end so its thread ends too."""
+  event = threading.Event()
+  yield event
+  event.set()
+
+
+def _waits(event: threading.Event):
+  def stuck(prompts, completions, **columns):
+    event.wait(60)
+    return [0.0] * len(completions)
+
+  return stuck
+
+
+def test_a_function_that_never_returns_stops_at_the_time_limit_naming_it_and_the_key(held):
+  reward = rewards.Reward("my_mod:stuck", _waits(held), 1.0, timeout=0.3)
+  started = time.monotonic()
+  with deadline(20):
+    message = _one_line_error(rewards.RewardError, rewards.score, [reward], ["p"], ["c"], {})
+  assert time.monotonic() - started < 5
+  assert message == (
+    "reward function my_mod:stuck did not return within 0.3 s (reward_timeout_seconds=0.3); make it return sooner, "
+    "or raise reward_timeout_seconds if it needs longer"
+  )
+
+
+def test_the_time_limit_is_per_call_and_a_slow_function_within_it_scores():
+  def slow(prompts, completions, **columns):
+    time.sleep(0.2)
+    return [float(len(c)) for c in completions]
+
+  reward = rewards.Reward("my_mod:slow", slow, 1.0, timeout=5.0)
+  np.testing.assert_array_equal(rewards.score([reward, reward], ["p", "p"], ["ab", "c"], {}), [[2, 2], [1, 1]])
+
+
+class OwnBaseException(BaseException):
+  pass
+
+
+def _raiser(error: BaseException):
+  def fn(prompts, completions, **columns):
+    raise error
+
+  return fn
+
+
+@pytest.mark.parametrize(
+  "error, shown_as",
+  [
+    (SystemExit(0), "raised SystemExit: 0; a reward function returns its scores, it cannot end the run"),
+    (SystemExit(), "raised SystemExit; a reward function returns its scores"),
+    (SystemExit("bye"), "raised SystemExit: bye;"),
+    (GeneratorExit(), "raised GeneratorExit"),
+    (OwnBaseException("mine"), "raised OwnBaseException: mine"),
+  ],
+)
+def test_sys_exit_and_other_base_exceptions_are_reward_errors_naming_the_function(error, shown_as):
+  message = _one_line_error(rewards.RewardError, _score, _raiser(error), ["c"], name="my_mod:quits")
+  assert message.startswith(f"reward function my_mod:quits {shown_as}"), message
+
+
+def test_an_exception_whose_message_fails_is_still_one_line():
+  class Unprintable(Exception):
+    def __str__(self):
+      raise RuntimeError("no")
+
+  message = _one_line_error(rewards.RewardError, _score, _raiser(Unprintable()), ["c"], name="m:f")
+  assert message == "reward function m:f raised Unprintable: (its message cannot be shown)"
+
+
+def test_keyboard_interrupt_from_a_reward_stays_the_user_s_interrupt():
+  with pytest.raises(KeyboardInterrupt):
+    _score(_raiser(KeyboardInterrupt()), ["c"])
+
+
+def test_sigterm_during_a_reward_call_is_the_loop_s_signal_not_the_reward_s_error(held):
+  """The training loop waits for rewards within StopRequest.interrupting(): a SIGTERM must end the wait with its own
+  exception (train.py saves and exits 1), not be raised inside the user's function and reported as its error."""
+  reward = rewards.Reward("my_mod:stuck", _waits(held), 1.0)
+  stop = cli.StopRequest()
+  timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+  try:
+    with deadline(20), pytest.raises(cli.StopRequest.Interrupted), stop.interrupting():
+      timer.start()
+      rewards.score([reward], ["p"], ["c"], {})
+  finally:
+    timer.cancel()
+    stop.restore()
+  assert stop.signal_name == "SIGTERM"
+
+
+HELD_IMPORT = threading.Event()
+
+
+def test_a_module_that_blocks_at_import_stops_at_the_time_limit(tmp_path, monkeypatch):
+  (tmp_path / "blocking_rewards_module.py").write_text(
+    "from MaxText.tests.rl_rewards_test import HELD_IMPORT\nHELD_IMPORT.wait(60)\n\ndef fn(prompts, completions):\n"
+    "  return [0.0] * len(completions)\n"
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  config = _config(reward_functions=("blocking_rewards_module:fn",), reward_timeout_seconds=0.5)
+  try:
+    with deadline(20):
+      message = _one_line_error(ConfigError, rewards.load, config)
+  finally:
+    HELD_IMPORT.set()
+  assert message == (
+    "reward_functions has 'blocking_rewards_module:fn': importing module 'blocking_rewards_module' did not finish "
+    "within 0.5 s (reward_timeout_seconds=0.5); a reward module must not block at import: fix it, or raise "
+    "reward_timeout_seconds if its import needs longer"
+  )
+
+
+@pytest.mark.parametrize(
+  "source, shown_as", [("import sys\nsys.exit(0)\n", "SystemExit: 0"), ("exit(3)\n", "SystemExit: 3")]
+)
+def test_a_module_that_exits_at_import_is_named_with_its_exit(tmp_path, monkeypatch, source, shown_as):
+  name = f"exiting_rewards_module_{len(source)}"
+  (tmp_path / f"{name}.py").write_text(source)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  message = _one_line_error(ConfigError, rewards.load, _config(reward_functions=(f"{name}:fn",)))
+  assert f"module {name!r} does not import ({shown_as})" in message
+
+
+def test_the_modules_imported_are_named_with_their_files(tmp_path, monkeypatch):
+  (tmp_path / "named_rewards_module.py").write_text("def fn(prompts, completions):\n  return [0.0] * len(completions)\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  loaded = rewards.load(_config(reward_functions=("exact_match", "named_rewards_module:fn", f"{HERE}:long_reward")))
+  assert [r.builtin for r in loaded] == [True, False, False]
+  assert rewards.imported(loaded) == (
+    f"reward_functions imported and run code from: named_rewards_module ({tmp_path / 'named_rewards_module.py'}), "
+    f"{HERE} ({os.path.abspath(__file__)})"
+  )
+  assert rewards.imported(rewards.load(_config(reward_functions=("exact_match",)))) is None
+
+
+HUNG_EXIT = """
+import sys, threading, time
+from MaxText.rl import rewards
+
+def stuck(prompts, completions, **columns):
+  if {spin}:
+    while True:
+      pass
+  threading.Event().wait()
+
+try:
+  rewards.score([rewards.Reward("m:stuck", stuck, 1.0, timeout=0.5)], ["p"], ["c"], {{}})
+except rewards.RewardError as e:
+  print(e, flush=True)
+  sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("spin", [False, True])
+def test_a_process_whose_reward_hangs_still_exits(spin):
+  """The hung call's thread is a daemon: interpreter exit does not wait for it, whether it blocks or spins."""
+  started = time.monotonic()
+  proc = run([sys.executable, "-c", HUNG_EXIT.format(spin=spin)], os.environ, timeout=60)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stdout.startswith("reward function m:stuck did not return within 0.5 s"), proc.stdout
+  assert time.monotonic() - started < 30

@@ -13,15 +13,16 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
 import pytest
 from flax import linen as nn
 
-from MaxText import sharding, state
+from MaxText import cli, sharding, state, train
 from MaxText import step as step_lib
-from MaxText.common_types import ConfigError
+from MaxText.common_types import ConfigError, TrainingError
 from MaxText.inference import engine as engine_lib
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import models
@@ -352,6 +353,42 @@ def test_a_batch_of_part_groups_and_a_wrong_column_are_refused(data):
     rollouts_lib.check_prompts(_config(data, "train_data_columns=['answer']"), "train")
 
 
+NOT_A_PROMPT = [  # (a prompt column's value, how the error shows it)
+  (7, "int 7"),
+  (None, "null (None)"),
+  (2.5, "float 2.5"),
+  (True, "bool True"),
+  ({"role": "user", "content": "hi"}, "dict {'role': 'user', 'content': 'hi'}"),
+  ([1, 2], "a list of int [1, 2]"),
+  (["hi", {"role": "user", "content": "x"}], "a list of dict, str ['hi', {'role': 'user', 'content': 'x'}]"),
+]
+
+
+@pytest.mark.parametrize("chat", ["false", "true"])
+@pytest.mark.parametrize("column", ["prompt", "messages"])
+@pytest.mark.parametrize("value, shown", NOT_A_PROMPT)
+def test_a_prompt_neither_text_nor_turns_is_named_with_its_column_and_type(data, value, shown, column, chat):
+  """Not "holds turns, which need a chat template" (the wrong cause): the column, what it holds, what is expected."""
+  cfg = _config(data, f"use_chat_template={chat}", f"train_data_columns=['{column}']")
+  prompt = rollouts_lib.Prompt(cfg, tokenizer_lib.check_tokenizer(cfg), "train_data_columns")
+  with pytest.raises(ConfigError) as info:
+    prompt({column: value, "answer": "1"})
+  assert str(info.value) == (
+    f"train_data_columns=['{column}']: a record's '{column}' is {shown}; expected a string, or a list of "
+    "{'role', 'content'} turns (or a 'messages' column) with use_chat_template=true"
+  )
+
+
+def test_turns_without_a_chat_template_and_integer_prompts_read_from_a_file(data, tmp_path):
+  cfg = _config(data)
+  prompt = rollouts_lib.Prompt(cfg, tokenizer_lib.check_tokenizer(cfg), "train_data_columns")
+  with pytest.raises(ConfigError, match=r"'prompt' holds turns, which need a chat template; set use_chat_template=true"):
+    prompt({"prompt": [{"role": "user", "content": "1+1="}]})
+  (tmp_path / "ints.jsonl").write_text("".join(json.dumps({"prompt": i, "answer": "1"}) + "\n" for i in range(4)))
+  with pytest.raises(ConfigError, match=r"^train_data_columns=\['prompt'\]: a record's 'prompt' is int 0; expected a"):
+    rollouts_lib.check_prompts(_config(data, f"hf_train_files={tmp_path}/ints.jsonl"), "train")
+
+
 def _train(data, tmp_path, *extra):
   args = [
     sys.executable,
@@ -419,6 +456,119 @@ def test_rl_killed_with_kill_9_resumes_bit_exactly(data, tmp_path):
 def _rewards(path, killed=False) -> dict[int, tuple]:
   """{step: (loss, mean reward, grad norm)} of a metrics_file."""
   return metrics_values(path, ("learning/loss", "rl/reward_mean", "learning/grad_norm"), killed)
+
+
+class _Signalled:
+  """Rollouts whose batch() gets a SIGTERM in a reward and ends as `ends` says, the signal's exception caught: a
+  batch made anyway (math-verify's parser catches every Exception and scores the text 0), a reward error made of it
+  (the old score() did), or a KeyboardInterrupt a reward function raised (no signal)."""
+
+  def __init__(self, ends: str):
+    self.ends = ends
+
+  def batch(self, params, step):
+    if self.ends == "KeyboardInterrupt":
+      raise KeyboardInterrupt
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(30)  # the handler raises StopRequest.Interrupted here
+    except Exception as e:  # noqa: BLE001 (as the code under the reward's call may)
+      if self.ends == "reward error":
+        raise ConfigError(f"reward function m:f raised {type(e).__name__}") from None
+    return {"inputs": np.zeros((1, 1))}
+
+  def get_state(self):
+    return {}
+
+
+@pytest.mark.parametrize(
+  "ends, line",
+  [
+    ("batch", "preempted (SIGTERM) while waiting for the data of step 3"),
+    ("reward error", "preempted (SIGTERM) while waiting for the data of step 3"),
+    ("KeyboardInterrupt", "interrupted (SIGINT) while waiting for the data of step 3"),
+  ],
+)
+def test_a_signal_during_rollouts_wins_over_what_the_rewards_made_of_it(ends, line):
+  """train._next_batch: the batch is dropped and the run stops as preempted (here with no manager, so nothing is
+  saved), whatever the data's code did with the signal's exception."""
+  config = types.SimpleNamespace(use_rl=True, dataset_type="hf", num_epoch=1)
+  run_ = types.SimpleNamespace(manager=None, first_step=0, config=config, data=_Signalled(ends))
+  stop = cli.StopRequest()
+  try:
+    with deadline(20), pytest.raises(TrainingError) as info:
+      train._next_batch(run_, stop, types.SimpleNamespace(params=None), 3)
+  finally:
+    stop.restore()
+  assert str(info.value) == f"{line}; no checkpoint is saved: run the same command again"
+
+
+SLOW_REWARD = '''
+import os, time
+
+calls = 0
+
+
+def slow_third(prompts, completions, **columns):
+  """rl_test's `shorter`; with SLOW_REWARD_MARKER set, its third call (step 2's) writes that file and sleeps."""
+  global calls
+  calls += 1
+  if calls == 3 and os.environ.get("SLOW_REWARD_MARKER"):
+    open(os.environ["SLOW_REWARD_MARKER"], "w").close()
+    time.sleep(300)
+  return [1.0 / (1 + len(c)) for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_reward_call_saves_exits_1_and_the_resumed_run_regenerates_the_batch(data, tmp_path):
+  """A preemption while a reward function runs (step 2's rollouts) wins over the reward: the two steps done are
+  saved with the prompts' position from before step 2, exit 1 with the preemption's line (not the reward's error,
+  exit 2, as before). The same command resumes at step 2 and makes the same rollouts: every loss, mean reward and
+  gradient norm of either part equals an uninterrupted run's, bit for bit."""
+  (tmp_path / "slow_rewards.py").write_text(SLOW_REWARD)
+  marker = tmp_path / "sleeping"
+
+  def command(name, metrics, sleeps=False):
+    keys = ("steps=4", "enable_checkpointing=true", "reward_functions=['slow_rewards:slow_third']")
+    args, env = _train(data, tmp_path, f"run_name={name}", f"metrics_file={tmp_path}/{metrics}.jsonl", *keys)
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if sleeps:
+      env["SLOW_REWARD_MARKER"] = str(marker)
+    return args, env
+
+  log = {part: open(tmp_path / f"{part}.log", "w", encoding="utf-8") for part in ("straight", "preempted")}  # noqa: SIM115
+  procs = {}
+  for part in ("straight", "preempted"):
+    args, env = command(part, part, sleeps=part == "preempted")
+    procs[part] = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log[part], stderr=subprocess.PIPE, text=True)
+  try:
+    with deadline(240):
+      while procs["preempted"].poll() is None and not marker.exists():
+        time.sleep(0.05)
+      procs["preempted"].send_signal(signal.SIGTERM)
+      _, stderr = procs["preempted"].communicate()
+      assert procs["straight"].wait() == 0, procs["straight"].stderr.read()
+  finally:
+    for proc in procs.values():
+      proc.kill()
+      proc.wait()
+    for f in log.values():
+      f.close()
+  assert procs["preempted"].returncode == 1, stderr[-3000:]
+  assert stderr == (
+    "error: preempted (SIGTERM) while waiting for the data of step 2; checkpoint 2 is saved: run the same command "
+    "again to resume\n"
+  )
+  assert os.listdir(tmp_path / "preempted" / "checkpoints") == ["2"]
+  args, env = command("preempted", "resumed")
+  resumed = run(args, env)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"resumed from {tmp_path}/preempted/checkpoints/2" in resumed.stdout
+  straight = _rewards(tmp_path / "straight.jsonl")
+  parts = _rewards(tmp_path / "preempted.jsonl") | _rewards(tmp_path / "resumed.jsonl")
+  assert sorted(straight) == sorted(parts) == [0, 1, 2, 3]
+  assert parts == straight
 
 
 @pytest.mark.slow
