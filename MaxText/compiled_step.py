@@ -35,7 +35,8 @@ FORMAT = "maxtext-compiled-train-step-1"
 NOT_IN_STEP = frozenset({
   "run_name", "base_output_directory", "hardware", "jax_cache_dir", "steps", "log_period", "metrics_file", "gcs_metrics",
   "enable_tensorboard", "profiler", "skip_first_n_steps_for_profiler", "profiler_steps", "cpu_peak_tflops",
-  "log_config", "model_name", "override_model_config", "reward_timeout_seconds",
+  "log_config", "model_name", "override_model_config", "reward_timeout_seconds", "stream_interval_ms",
+  "server_max_prompt_chars", "server_read_timeout",
   "dataset_type", "data_shuffle_seed", "num_epoch", "tokenizer_path", "tokenizer_type", "add_bos", "add_eos",
   "grain_train_files", "grain_eval_files", "grain_worker_count", "dataset_path", "dataset_name", "eval_dataset_name",
   "train_split", "eval_split", "hf_path", "hf_data_dir", "hf_train_files", "hf_eval_files", "train_data_columns",

@@ -24,6 +24,7 @@ from MaxText import checkpointing, cli, sharding, storage
 from MaxText.common_types import Config, ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.inference import prompts as prompts_lib
+from MaxText.inference.engine import counted
 from MaxText.layers.linears import DTYPES
 
 
@@ -92,16 +93,18 @@ def decode(config: Config) -> int:
   temperature, top_k, top_p = engine.default_sampling.request_settings()
   seed = config.decode_sampling_seed
   requests = [engine_lib.Request(tuple(p), max_tokens, temperature, top_k, top_p, seed) for p in ids]
-  outputs = [tokenizer.decode(result.tokens) for result in engine.generate(requests)]
+  # Each output's text as the engine decodes it, after its prompt's tokens: prompt + output is their text (a
+  # SentencePiece output keeps the space of its first word).
+  outputs = [result.text for result in engine.generate(requests)]
 
   for text, output in zip(prompts, outputs, strict=True):
     cli.log(f"Input `{visible(text)}` -> `{visible(output)}`")
   stats = engine.stats
   seconds, steps = stats["generate_seconds"], stats["steps"]
   cli.log(
-    f"Prefill: {stats['prefill_seconds'] * 1e3:.1f} ms for {len(prompts)} prompt(s); generate: {steps} steps in "
-    f"{seconds:.3f} s, {seconds / max(steps, 1) * 1e3:.2f} ms per generated token, "
-    f"{stats['tokens'] / max(seconds, 1e-9):.1f} tokens/s ({engine.num_slots} slots); compile "
+    f"Prefill: {stats['prefill_seconds'] * 1e3:.1f} ms for {counted(len(prompts), 'prompt')}; generate: "
+    f"{counted(steps, 'step')} in {seconds:.3f} s, {seconds / max(steps, 1) * 1e3:.2f} ms per generated token, "
+    f"{stats['tokens'] / max(seconds, 1e-9):.1f} tokens/s ({counted(engine.num_slots, 'slot')}); compile "
     f"{stats['compile_seconds']:.1f} s"
   )
   expected = config.autoregressive_decode_assert

@@ -3,8 +3,8 @@
 
 The config keys are decode.py's (model, checkpoint, tokenizer, max_prefill_predict_length, max_target_length, ...)
 plus base.yml's serving section: server_host (127.0.0.1: this machine only), server_port, server_api_key (set it
-as M_SERVER_API_KEY=KEY in the environment, so that no command line shows it), server_max_queue and
-served_model_name.
+as M_SERVER_API_KEY=KEY in the environment, so that no command line shows it), server_max_queue,
+server_max_prompt_chars, server_read_timeout and served_model_name; and stream_interval_ms (the engine's).
 
 Endpoints, in OpenAI's shapes (vLLM's extensions where OpenAI has none: top_k, stop_token_ids, the tokenizer ones):
   POST /v1/completions       prompt: text, a list of texts, token ids or a list of lists of token ids; n, echo,
@@ -17,13 +17,21 @@ Endpoints, in OpenAI's shapes (vLLM's extensions where OpenAI has none: top_k, s
                              tokenizer_backend=remote uses to count tokens for any of our tokenizer files.
 
 Rules: with an API key, every route but /health needs `Authorization: Bearer KEY` (401 otherwise). Every error is
-OpenAI's `{"error": {"message", "type", "param", "code"}}` with the field named: bad JSON or a field of the wrong
-type or range 400, an unknown model 404, past the engine's queue 503. Unknown fields are ignored, as OpenAI's
-clients send extras. A client that disconnects, streaming or not, has its requests cancelled, freeing their slots.
-Logprob `text_offset`s index the choice's `text` (the prompt's text first, with echo).
+OpenAI's `{"error": {"message", "type", "param", "code"}}` with the field named: bad JSON, a field of the wrong
+type, range or size, or a string with a lone surrogate 400, an unknown model 404, a request not sent within
+server_read_timeout 408, past the engine's queue 503. Unknown fields are ignored, as OpenAI's clients send
+extras. A client that disconnects, streaming or not, has its requests cancelled, freeing their slots.
+
+Text is vLLM's: a completion's text is what its tokens add after the prompt's tokens (inference/detokenize.py),
+so prompt text + completion text is the text of all the tokens; with echo the choice's text starts with the
+prompt's tokens' text, the logprobs' tokens join to it, and their `text_offset`s index it.
+
+The event loop only moves bytes: parsing, validating (sizes first, by len() alone), tokenizing and rendering run on
+worker threads (`Server.run`), so a large request never stalls the others (/health answers throughout).
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -43,6 +51,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
   import script_path  # noqa: F401
 
 import fastapi
+import h11
 import jax
 import pydantic
 import starlette.exceptions
@@ -50,19 +59,28 @@ import uvicorn
 from fastapi import responses
 from pydantic import Field
 from starlette.background import BackgroundTask
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from MaxText import cli
 from MaxText.common_types import Config, ConfigError, shown
+from MaxText.inference import detokenize as detokenize_lib
 from MaxText.inference import engine as engine_lib
+from MaxText.inference.engine import counted
 from MaxText.input_pipeline import sft
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
 MAX_BODY_BYTES = 32 << 20  # A request body past this is refused (413): prompts are at most a few MB of token ids.
 MAX_CHOICES = 1024  # prompts x n in one request, so that one request cannot allocate without bound.
 MAX_STOP = 64  # stop strings or stop token ids in one request.
+MAX_STOP_CHARS = 256  # characters of one stop string: each round looks for the end of a stop string in the text.
+MAX_MESSAGES = 4096  # messages, and content parts, of one conversation.
 MAX_LOGPROBS = 5  # the engine's limit (OpenAI's for completions).
 POLL_SECONDS = 0.25  # how often a non-streamed request looks for its client's disconnect.
-PIECE_CONTEXT = 4  # tokens before a token decoded with it, so that a SentencePiece "▁word" keeps its space.
+# Bodies up to this size are parsed by json's C scanner, which holds the GIL throughout (at most ~0.1 s for 1 MB of
+# the slowest shape, `[[],[],...`); larger ones by its Python scanner, which the event loop can interrupt.
+FAST_JSON_BYTES = 1 << 20
+WORKERS = 4  # threads that parse, validate, tokenize and render requests, off the event loop
+PROGRESS_SECONDS = 5  # start-up: a line at least this often while the engine's programs compile
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -74,6 +92,14 @@ def check(config: Config) -> None:
     raise ConfigError("server_host is empty; give the address to listen on, e.g. 127.0.0.1 (this machine only)")
   if config.server_max_queue < 1:
     raise ConfigError(f"server_max_queue={config.server_max_queue} must be at least 1 (requests waiting for a slot)")
+  if config.server_max_prompt_chars < 1:
+    raise ConfigError(
+      f"server_max_prompt_chars={config.server_max_prompt_chars} must be at least 1 (characters of a prompt)"
+    )
+  if not 0 < config.server_read_timeout <= 86400:
+    raise ConfigError(
+      f"server_read_timeout={config.server_read_timeout} must be 1 to 86400 seconds (a client's time to send a request)"
+    )
 
 
 def served_name(config: Config) -> str:
@@ -96,12 +122,21 @@ class Options:
   api_key: str = ""
   add_bos: bool = True
   chat_template: str = sft.FALLBACK_TEMPLATE  # Jinja text, as sft.find_template gives it
+  max_prompt_chars: int = 1_000_000  # server_max_prompt_chars
+  read_timeout: float = 30.0  # server_read_timeout: seconds for a request's headers, and again for its body
 
   @classmethod
   def from_config(cls, config: Config) -> "Options":
     check(config)
     template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
-    return cls(served_name(config), config.server_api_key, config.add_bos, template)
+    return cls(
+      served_name(config),
+      config.server_api_key,
+      config.add_bos,
+      template,
+      config.server_max_prompt_chars,
+      config.server_read_timeout,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -116,7 +151,8 @@ class APIError(Exception):
 
 def error_response(error: APIError) -> responses.JSONResponse:
   body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
-  return responses.JSONResponse(body, status_code=error.status)
+  close = {"connection": "close"} if error.status == 408 else None  # the rest of its body is not waited for
+  return responses.JSONResponse(body, status_code=error.status, headers=close)
 
 
 def _param_of(message: str) -> str | None:
@@ -223,19 +259,148 @@ def _refuse_constant(name: str):
   raise ValueError(f"{name} is not JSON")
 
 
-async def parse_body(request: fastapi.Request, model: type[_Body]) -> Any:
-  """The request's JSON body validated as `model`; APIError 413 or 400 naming the field."""
+async def read_body(request: fastapi.Request, seconds: float) -> bytes:
+  """The request's body; APIError 413 past MAX_BODY_BYTES, 408 when it has not all arrived after `seconds`."""
   raw = bytearray()
-  async for chunk in request.stream():
-    raw += chunk
-    if len(raw) > MAX_BODY_BYTES:
-      raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send fewer or shorter prompts")
   try:
-    body = json.loads(bytes(raw), parse_constant=_refuse_constant)
+    async with asyncio.timeout(seconds):
+      async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+          raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send fewer or shorter prompts")
+  except TimeoutError:
+    raise APIError(
+      408, f"the request body did not arrive within {seconds:g} s (server_read_timeout); send it at once", code="timeout"
+    ) from None
+  return bytes(raw)
+
+
+def parse_json(raw: bytes) -> dict:
+  """The body as a JSON object; APIError 400. Runs on a worker thread: a body over FAST_JSON_BYTES is parsed by
+  json's Python scanner, which lets the event loop take the GIL between values (the C scanner holds it throughout:
+  3 s for 32 MB of `[],`); its strings are still read by the C function, so a long text costs no more."""
+  decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+  if len(raw) > FAST_JSON_BYTES:
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+  try:
+    body = decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
   except (ValueError, RecursionError) as e:
     raise APIError(400, f"the request body is not valid JSON ({shown(str(e), 100)}); send a JSON object") from None
   if not isinstance(body, dict):
     raise APIError(400, f"the request body is a JSON {type(body).__name__}; send a JSON object")
+  return body
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """The sizes a request's fields may have, checked before anything reads them (`check_sizes`)."""
+
+  prompt_tokens: int  # token ids in one prompt: the engine's longest prompt (max_prefill_predict_length)
+  cache_tokens: int  # token ids /detokenize takes: the cache's length (max_target_length)
+  prompts: int  # prompts in one request: the engine's queue (server_max_queue), which choices may not exceed
+  chars: int  # characters of text to tokenize: server_max_prompt_chars
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _top_field(path: str) -> str:
+  """The request field a path is in: "messages[0].content" -> "messages"."""
+  return re.match(r"\w*", path).group()
+
+
+def _too_long(field: str, size: int, limit: int, what: str, fix: str) -> APIError:
+  return APIError(400, f"{field}: {size} {what}, more than {limit} ({fix})", param=_top_field(field))
+
+
+def check_sizes(body: dict, limits: Limits) -> None:
+  """APIError 400 naming the field for one larger than the server can take: cheap checks of len() only, before
+  any validation walks a field or a tokenizer reads it (a 15M-token prompt is refused at once, not after seconds
+  of validating it). A field of the wrong type is left to validation."""
+  _check_prompt_sizes(body.get("prompt"), limits)
+  _check_message_sizes(body.get("messages"), limits)
+  stop = body.get("stop")
+  for i, text in enumerate([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []):
+    if i >= MAX_STOP:
+      raise _too_long("stop", len(stop), MAX_STOP, "stop strings", "give fewer")
+    if isinstance(text, str) and len(text) > MAX_STOP_CHARS:
+      field = f"stop[{i}]" if isinstance(stop, list) else "stop"
+      raise _too_long(field, len(text), MAX_STOP_CHARS, "characters", "a stop string is a short marker")
+  for name, limit, fix in (("stop_token_ids", MAX_STOP, "give fewer"), ("tokens", limits.cache_tokens, "max_target_length")):
+    value = body.get(name)
+    if isinstance(value, list) and len(value) > limit:
+      raise _too_long(name, len(value), limit, "token ids", fix)
+
+
+def _check_prompt_sizes(prompt, limits: Limits) -> None:
+  chars = f"server_max_prompt_chars={limits.chars}; send a shorter text"
+  tokens = f"the longest prompt, max_prefill_predict_length={limits.prompt_tokens}; send a shorter prompt"
+  if isinstance(prompt, str) and len(prompt) > limits.chars:
+    raise _too_long("prompt", len(prompt), limits.chars, "characters", chars)
+  if not isinstance(prompt, list):
+    return
+  if prompt and _is_int(prompt[0]):
+    if len(prompt) > limits.prompt_tokens:
+      raise _too_long("prompt", len(prompt), limits.prompt_tokens, "token ids", tokens)
+    return
+  if len(prompt) > limits.prompts:
+    raise _too_long("prompt", len(prompt), limits.prompts, "prompts", "server_max_queue; send fewer at a time")
+  for i, p in enumerate(prompt):
+    if isinstance(p, str) and len(p) > limits.chars:
+      raise _too_long(f"prompt[{i}]", len(p), limits.chars, "characters", chars)
+    if isinstance(p, list) and len(p) > limits.prompt_tokens:
+      raise _too_long(f"prompt[{i}]", len(p), limits.prompt_tokens, "token ids", tokens)
+
+
+def _check_message_sizes(messages, limits: Limits) -> None:
+  if not isinstance(messages, list):
+    return
+  if len(messages) > MAX_MESSAGES:
+    raise _too_long("messages", len(messages), MAX_MESSAGES, "messages", "send a shorter conversation")
+  total, parts = 0, 0
+  for message in messages:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+      total += len(content)
+    elif isinstance(content, list):
+      parts += len(content)
+      total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+  if parts > MAX_MESSAGES:
+    raise _too_long("messages", parts, MAX_MESSAGES, "content parts", "send fewer parts")
+  if total > limits.chars:
+    raise _too_long("messages", total, limits.chars, "characters of content", f"server_max_prompt_chars={limits.chars}")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(body: dict, fields) -> None:
+  """APIError 400 naming the first string of `fields` (keys included, at any depth) that holds a lone surrogate:
+  JSON's "\\ud800" escape parses to one, which is no Unicode text, so no tokenizer or response could encode it."""
+  stack = [(name, body[name]) for name in reversed(list(fields)) if name in body]
+  while stack:
+    path, value = stack.pop()
+    if isinstance(value, str):
+      found = _SURROGATE.search(value)
+      if found:
+        raise APIError(
+          400,
+          f"{path} holds a lone surrogate ({found.group()!r} at character {found.start()}), which is not text; send "
+          "UTF-8 text (an escaped pair such as \\ud83d\\ude00 is one character and fine)",
+          param=_top_field(path),
+        )
+    elif isinstance(value, list):
+      stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))) if isinstance(v, str | list | dict)]
+    elif isinstance(value, dict):
+      for key, item in reversed(list(value.items())):
+        stack += [(f"{path}.{key}", item), (f"{path} (a key)", key)]
+
+
+def validate(body: dict, model: type[_Body], limits: Limits) -> Any:
+  """`body` checked for size, then for text, then as `model` (a 400 naming the field for each); on a worker thread."""
+  check_sizes(body, limits)
+  check_text(body, model.model_fields)
   try:
     return model.model_validate(body)
   except pydantic.ValidationError as e:
@@ -363,52 +528,48 @@ class Choice:
     return delta
 
 
-def _piece(tokenizer, context: list[int], token: int) -> str:
-  """The text `token` adds after `context` (decoded with a few tokens before it, so a leading space stays)."""
-  before = tokenizer.decode(context)
-  after = tokenizer.decode([*context, token])
-  return after[len(before) :] if after.startswith(before) else tokenizer.decode([token])
-
-
 class Pieces:
-  """Token texts and logprob entries in OpenAI's shapes, following the tokens as they are generated."""
+  """Token texts and logprob entries in OpenAI's shapes, following the tokens as they are generated: a token's text
+  is what it adds after the tokens before it (detokenize.Incremental, as the engine decodes the choice's text), so
+  the chosen tokens' texts join to the text and `text_offset`s point at them. An incomplete character waits for
+  the token that completes it (its text is then that token's); an alternative's text is what it would add."""
 
   def __init__(self, tokenizer, context: list[int], offset: int = 0):
-    self.tokenizer, self.context, self.offset = tokenizer, list(context[-PIECE_CONTEXT:]), offset
+    self.text, self.offset = detokenize_lib.Incremental(tokenizer.decode, context), offset
 
-  def completion(self, ids: list[int], entries: list) -> dict:
+  def _walk(self, ids: list[int], entries: list, final: bool):
+    """(token text, its entry, the alternatives' texts, its offset) of each token, advancing past it."""
+    for i, (token, entry) in enumerate(zip(ids, entries, strict=False)):
+      alternatives = self.text.peek([alt for alt, _ in entry.top]) if entry is not None else []
+      text = self.text.add([token], final and i == len(ids) - 1)
+      yield text, entry, alternatives, self.offset
+      self.offset += len(text)
+
+  def completion(self, ids: list[int], entries: list, final: bool) -> dict:
     """Completions' logprobs for `ids`: tokens, token_logprobs, top_logprobs ({text: logprob}), text_offset."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, entry in zip(ids, entries, strict=False):
-      text = _piece(self.tokenizer, self.context, token)
+    for text, entry, alternatives, offset in self._walk(ids, entries, final):
       top = None
       if entry is not None:
-        top = {_piece(self.tokenizer, self.context, alt): lp for alt, lp in entry.top}
+        top = {alt: lp for alt, (_, lp) in zip(alternatives, entry.top, strict=True)}
         top.setdefault(text, entry.logprob)  # OpenAI's (and vLLM's): the chosen token is always there.
       out["tokens"].append(text)
       out["token_logprobs"].append(None if entry is None else entry.logprob)
       out["top_logprobs"].append(top)
-      out["text_offset"].append(self.offset)
-      self._advance(token, text)
+      out["text_offset"].append(offset)
     return out
 
-  def chat(self, ids: list[int], entries: list) -> list[dict]:
+  def chat(self, ids: list[int], entries: list, final: bool) -> list[dict]:
     """Chat's logprobs content entries for `ids`."""
     out = []
-    for token, entry in zip(ids, entries, strict=False):
-      text = _piece(self.tokenizer, self.context, token)
-      top = [self._entry(_piece(self.tokenizer, self.context, alt), lp) for alt, lp in entry.top]
+    for text, entry, alternatives, _ in self._walk(ids, entries, final):
+      top = [self._entry(alt, lp) for alt, (_, lp) in zip(alternatives, entry.top, strict=True)]
       out.append({**self._entry(text, entry.logprob), "top_logprobs": top})
-      self._advance(token, text)
     return out
 
   @staticmethod
   def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-  def _advance(self, token: int, text: str) -> None:
-    self.context = [*self.context, token][-PIECE_CONTEXT:]
-    self.offset += len(text)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
 
 def _join(parts: list[dict]) -> dict:
@@ -441,13 +602,31 @@ def _streaming(events: AsyncIterator[str], submission: Submission) -> responses.
 # ------------------------------------------------------------------------------------------------ the app
 @dataclasses.dataclass
 class Server:
-  """The app's state: the engine, the tokenizer, the options and the compiled chat template."""
+  """The app's state: the engine, the tokenizer, the options and the compiled chat template, and the threads that do
+  a request's CPU work (parsing, validating, tokenizing, rendering), so that the event loop only moves bytes: one
+  large request never stalls the others, /health included."""
 
   engine: Any
   tokenizer: tokenizer_lib.Tokenizer
   options: Options
   template: Any
   stopping: bool = False
+  limits: Limits = dataclasses.field(init=False)
+  workers: concurrent.futures.ThreadPoolExecutor = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    engine = self.engine
+    self.limits = Limits(engine.max_prompt_length, engine.max_length, engine.max_queue, self.options.max_prompt_chars)
+    self.workers = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="serve")
+
+  async def run(self, fn, *args):
+    """fn(*args) on a worker thread (its APIError raised here)."""
+    return await asyncio.get_running_loop().run_in_executor(self.workers, functools.partial(fn, *args))
+
+  async def body(self, request: fastapi.Request, model: type[_Body]) -> Any:
+    """The request's body, read within server_read_timeout, parsed and validated as `model` on a worker thread."""
+    raw = await read_body(request, self.options.read_timeout)
+    return await self.run(lambda: validate(parse_json(raw), model, self.limits))
 
   def sampling(self, body: _Sampling, **fields) -> dict:
     stop, stop_ids = _stop(body, self.tokenizer.vocab_size)
@@ -497,7 +676,9 @@ class Server:
     return bos + self.tokenizer.encode(text)
 
   def completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
-    """(token ids, text) of each prompt of a completions request."""
+    """(token ids, text) of each prompt of a completions request: its text as its tokens decode (for echo, so that
+    the text is what the logprobs' tokens join to: the prompt's text as it was sent, unless the tokenizer
+    normalizes it)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
       prompt = [prompt]
     if not prompt:
@@ -508,11 +689,10 @@ class Server:
         raise APIError(400, f"prompt[{i}] is empty; give at least one character or token", param="prompt")
       if isinstance(p, str):
         ids.append(self.text_prompt(p))
-        texts.append(p)
       else:
         _check_ids(p, self.tokenizer.vocab_size, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
         ids.append(list(p))
-        texts.append(self.tokenizer.decode(p))
+      texts.append(self.tokenizer.decode(ids[-1]))
     return ids, texts
 
   def chat_prompt(self, messages: list[Message]) -> list[int]:
@@ -551,27 +731,43 @@ def _head(kind: str, model: str) -> dict:
   return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
 
 
-async def completions(server: Server, request: fastapi.Request):
-  body = await parse_body(request, CompletionBody)
+@dataclasses.dataclass
+class CompletionPlan:
+  """What a completions request asks of the engine, prepared on a worker thread."""
+
+  prompts: list[list[int]]  # token ids of each prompt
+  texts: list[str]  # the text of each choice's prompt (echo)
+  requests: list  # engine Requests, n per prompt
+  wanted: list[int]  # max_tokens of each prompt (0: the prompt's logprobs only)
+
+
+def plan_completion(server: Server, body: CompletionBody) -> CompletionPlan:
   server.check_model(body)
   prompts, texts = server.completion_prompts(body.prompt)
   wanted = [body.max_tokens] * len(prompts)
   echo_logprobs = body.echo and body.logprobs is not None
-  fields = {"logprobs": body.logprobs, "echo": echo_logprobs}
+  fields = {"logprobs": body.logprobs, "echo": echo_logprobs, "stream": body.stream}
   if echo_logprobs and body.max_tokens <= 1:
     # Scoring (lm-eval's log-likelihood): the one generated token is always returned, EOS or not, so the response's
     # last logprob is the generated token's, as lm-eval expects.
     fields |= {"ignore_eos": True, "stop": (), "stop_token_ids": ()}
   requests = server.requests(prompts, body, [max(m, 1) for m in wanted], **fields)
+  return CompletionPlan(prompts, [texts[i // body.n] for i in range(len(requests))], requests, wanted)
+
+
+async def completions(server: Server, request: fastapi.Request):
+  body = await server.body(request, CompletionBody)
+  plan = await server.run(plan_completion, server, body)
   submission = Submission(server.engine)
-  submission.submit(requests)
-  choices = [Choice(prompts[i // body.n], keep_generated=wanted[i // body.n] > 0) for i in range(len(requests))]
-  texts = [texts[i // body.n] for i in range(len(requests))]
-  view = CompletionView(server, body, choices, texts)
+  await server.run(submission.submit, plan.requests)
+  choices = [
+    Choice(plan.prompts[i // body.n], keep_generated=plan.wanted[i // body.n] > 0) for i in range(len(plan.requests))
+  ]
+  view = CompletionView(server, body, choices, plan.texts)
   if body.stream:
     return _streaming(view.events(submission), submission)
   await submission.collect(request, choices)
-  return view.response(prompts)
+  return await server.run(lambda: responses.JSONResponse(view.response(plan.prompts)))
 
 
 class CompletionView:
@@ -579,6 +775,7 @@ class CompletionView:
 
   def __init__(self, server: Server, body: CompletionBody, choices: list[Choice], texts: list[str]):
     self.server, self.body, self.choices, self.texts = server, body, choices, texts
+    self.logprobs = body.logprobs is not None
     self.head = _head("text_completion", server.options.model_name)
     echo_len = [len(t) if body.echo else 0 for t in texts]
     self.pieces = [Pieces(server.tokenizer, [], 0) for _ in choices]
@@ -592,8 +789,9 @@ class CompletionView:
     if self.body.logprobs is not None:
       parts = []
       if first and self.body.echo:
-        parts.append(self.pieces[index].completion(delta.prompt_ids, delta.prompt_logprobs or []))
-      parts.append(self.generated[index].completion(delta.tokens, delta.logprobs))
+        parts.append(self.pieces[index].completion(delta.prompt_ids, delta.prompt_logprobs or [], final=True))
+      final = delta.finish_reason is not None
+      parts.append(self.generated[index].completion(delta.tokens, delta.logprobs, final))
       logprobs = _join(parts)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
@@ -614,7 +812,9 @@ class CompletionView:
           return
         if delta.started and not delta.tokens and not delta.text and delta.finish_reason is None:
           continue
-        yield _sse({**self.head, "choices": [self.delta(index, delta)]})
+        # With logprobs, each token's text and its alternatives' are decoded: a worker's job.
+        part = await self.server.run(self.delta, index, delta) if self.logprobs else self.delta(index, delta)
+        yield _sse({**self.head, "choices": [part]})
       if self.body.stream_options is not None and self.body.stream_options.include_usage:
         prompts = [c.prompt_ids for c in self.choices[:: self.body.n]]
         yield _sse({**self.head, "choices": [], "usage": _usage(self.choices, prompts)})
@@ -623,34 +823,42 @@ class CompletionView:
       submission.cancel_unfinished()
 
 
-async def chat_completions(server: Server, request: fastapi.Request):
-  body = await parse_body(request, ChatBody)
+def plan_chat(server: Server, body: ChatBody) -> tuple[list[int], list]:
+  """(the conversation's tokens, the engine Requests of its n choices), prepared on a worker thread."""
   server.check_model(body)
   if body.top_logprobs is not None and not body.logprobs:
     raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
   ids = server.chat_prompt(body.messages)
   limit = body.max_completion_tokens or body.max_tokens or server.room(ids)
   logprobs = (body.top_logprobs or 0) if body.logprobs else None
+  return ids, server.requests([ids], body, [limit], logprobs=logprobs, stream=body.stream)
+
+
+async def chat_completions(server: Server, request: fastapi.Request):
+  body = await server.body(request, ChatBody)
+  ids, requests = await server.run(plan_chat, server, body)
   submission = Submission(server.engine)
-  submission.submit(server.requests([ids], body, [limit], logprobs=logprobs))
+  await server.run(submission.submit, requests)
   choices = [Choice(ids) for _ in range(body.n)]
   view = ChatView(server, body, choices)
   if body.stream:
     return _streaming(view.events(submission), submission)
   await submission.collect(request, choices)
-  return view.response()
+  return await server.run(lambda: responses.JSONResponse(view.response()))
 
 
 class ChatView:
   """Chat completions' response, whole or as `chat.completion.chunk` events."""
 
   def __init__(self, server: Server, body: ChatBody, choices: list[Choice]):
-    self.body, self.choices = body, choices
+    self.server, self.body, self.choices = server, body, choices
     self.pieces = [Pieces(server.tokenizer, c.prompt_ids) for c in choices]
     self.model = server.options.model_name
 
   def _logprobs(self, index: int, choice: Choice) -> dict | None:
-    return {"content": self.pieces[index].chat(choice.tokens, choice.logprobs)} if self.body.logprobs else None
+    if not self.body.logprobs:
+      return None
+    return {"content": self.pieces[index].chat(choice.tokens, choice.logprobs, choice.finish_reason is not None)}
 
   def response(self) -> dict:
     out = [
@@ -682,12 +890,8 @@ class ChatView:
         if not delta.text and not delta.tokens and delta.finish_reason is None:
           continue
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-        part = {
-          "index": index,
-          "delta": content,
-          "logprobs": self._logprobs(index, delta),
-          "finish_reason": delta.finish_reason,
-        }
+        logprobs = await self.server.run(self._logprobs, index, delta) if self.body.logprobs else None
+        part = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         yield _sse({**head, "choices": [part]})
       if self.body.stream_options is not None and self.body.stream_options.include_usage:
         yield _sse({**head, "choices": [], "usage": _usage(self.choices, [self.choices[0].prompt_ids])})
@@ -731,6 +935,7 @@ def create_app(engine, tokenizer: tokenizer_lib.Tokenizer, config_or_options: Co
   async def lifespan(app):
     yield
     server.stopping = True
+    server.workers.shutdown(wait=False, cancel_futures=True)
 
   def authorize(request: fastapi.Request) -> None:
     if not options.api_key:
@@ -756,7 +961,7 @@ def create_app(engine, tokenizer: tokenizer_lib.Tokenizer, config_or_options: Co
   app.include_router(api)
 
   @app.get("/health")
-  def health():
+  async def health():  # On the event loop itself: it answers while workers are busy.
     running = getattr(engine, "running", None)  # Engine.running(): its scheduling thread is alive.
     if server.stopping or (callable(running) and not running()):
       raise APIError(503, "the engine is not running", code="engine_stopped")
@@ -782,16 +987,30 @@ def _add_info_routes(api: fastapi.APIRouter, server: Server) -> None:
 
   @api.post("/tokenize")
   async def tokenize(request: fastapi.Request):
-    body = await parse_body(request, TokenizeBody)
-    bos = [tokenizer.bos_id] if body.add_special_tokens and options.add_bos and tokenizer.bos_id >= 0 else []
-    tokens = bos + tokenizer.encode_with_specials(body.prompt)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": server.engine.max_length}
+    body = await server.body(request, TokenizeBody)
+
+    def work():
+      bos = [tokenizer.bos_id] if body.add_special_tokens and options.add_bos and tokenizer.bos_id >= 0 else []
+      tokens = bos + tokenizer.encode_with_specials(body.prompt)
+      rest = f', "count": {len(tokens)}, "max_model_len": {server.engine.max_length}}}'
+      return responses.Response('{"tokens": ' + _json_ints(tokens) + rest, media_type="application/json")
+
+    return await server.run(work)
 
   @api.post("/detokenize")
   async def detokenize(request: fastapi.Request):
-    body = await parse_body(request, DetokenizeBody)
-    _check_ids(body.tokens, tokenizer.vocab_size, "tokens")
-    return {"prompt": tokenizer.decode(body.tokens)}
+    body = await server.body(request, DetokenizeBody)
+
+    def work():
+      _check_ids(body.tokens, tokenizer.vocab_size, "tokens")
+      return responses.JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+
+    return await server.run(work)
+
+
+def _json_ints(values: list[int], piece: int = 1 << 16) -> str:
+  """A JSON array of ints, rendered a piece at a time (json.dumps of a whole long list holds the GIL throughout)."""
+  return "[" + ",".join(json.dumps(values[i : i + piece])[1:-1] for i in range(0, len(values), piece) if values) + "]"
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -810,6 +1029,84 @@ def listen(host: str, port: int) -> socket.socket:
   return sock
 
 
+def compile_programs(engine) -> None:
+  """engine.warmup(), saying what it compiles and how far it got (a line at least every PROGRESS_SECONDS), since
+  the first request may only come after it: every prefill size and generate shape compiled now, so that no
+  request waits for a compile."""
+  programs = engine.programs()
+  prefill = sum(program.name == "prefill" for program in programs)
+  cli.log(
+    f"Compiling the engine's programs before serving: {counted(prefill, 'prefill size')} and "
+    f"{counted(len(programs) - prefill, 'generate shape')} (rows x pages read), {counted(len(programs), 'program')}"
+  )
+  start = last = time.perf_counter()
+
+  def progress(i: int, program) -> None:
+    nonlocal last
+    now = time.perf_counter()
+    if now - last >= PROGRESS_SECONDS or i == len(programs):
+      cli.log(f"  compiled {i}/{len(programs)} ({program}), {now - start:.1f} s so far")
+      last = now
+
+  engine.warmup(progress)
+  cli.log(f"Compiled the engine's programs in {engine.stats['compile_seconds']:.1f} s")
+
+
+class TimedH11Protocol(H11Protocol):
+  """uvicorn's HTTP/1.1 protocol (h11), with a deadline for each request's headers: uvicorn's only timeout is for
+  an idle kept-alive connection, so a client that sends its headers a byte at a time (or nothing after connecting)
+  held its socket forever. `read_timeout` seconds after a connection opens or a response ends, a connection whose
+  next request the app has not received is answered 408 and closed (the app bounds reading the body itself,
+  read_body). Subclassed by `uvicorn_config` with the value."""
+
+  read_timeout = 30.0
+
+  def connection_made(self, transport) -> None:
+    super().connection_made(transport)
+    self._deadline = None
+    self._arm()
+
+  def handle_events(self) -> None:
+    super().handle_events()
+    if self._app_has_it() and self._deadline is not None:
+      self._deadline.cancel()
+      self._deadline = None
+
+  def on_response_complete(self) -> None:
+    super().on_response_complete()
+    self._arm()
+
+  def connection_lost(self, exc) -> None:
+    if self._deadline is not None:
+      self._deadline.cancel()
+      self._deadline = None
+    super().connection_lost(exc)
+
+  def _app_has_it(self) -> bool:
+    return self.cycle is not None and not self.cycle.response_complete
+
+  def _arm(self) -> None:
+    if self._deadline is not None:
+      self._deadline.cancel()
+    closing = self.transport.is_closing()
+    self._deadline = None if closing else self.loop.call_later(self.read_timeout, self._expire)
+
+  def _expire(self) -> None:
+    self._deadline = None
+    if self._app_has_it() or self.transport.is_closing():
+      return
+    if self.conn.their_state is h11.IDLE:  # its headers did not come (else: the rest of a body already answered)
+      self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+    self.transport.close()
+
+
+def uvicorn_config(app: fastapi.FastAPI, **kw) -> uvicorn.Config:
+  """uvicorn's config for an app of create_app: TimedH11Protocol with its options' read_timeout."""
+  seconds = app.state.server.options.read_timeout
+  protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout": seconds})
+  return uvicorn.Config(app, http=protocol, **kw)
+
+
 def serve(config: Config) -> int:
   """Binds first (a taken port fails before the checkpoint loads), then loads the engine and serves until SIGINT or
   SIGTERM; the engine stops as the server does."""
@@ -825,10 +1122,11 @@ def serve(config: Config) -> int:
     print(
       f"warning: server_host={config.server_host} with no server_api_key: anyone who reaches it can use it", file=sys.stderr
     )
+  cli.log(f"Loading the model and its parameters ({config.load_parameters_path or 'the latest checkpoint of run_name'})")
   engine, tokenizer = engine_lib.Engine.from_config(config, max_queue=config.server_max_queue)
+  cli.log(f"Parameters from {engine.loaded_from}")
   app = create_app(engine, tokenizer, options)
-  engine.warmup()  # Every prefill size and number of generate rows compiled now, not while a client waits.
-  cli.log(f"Compiled the engine's programs in {engine.stats['compile_seconds']:.1f} s")
+  compile_programs(engine)
   engine.start()
   try:
     host, port = sock.getsockname()[:2]
@@ -836,7 +1134,7 @@ def serve(config: Config) -> int:
     # SIGINT or SIGTERM: new connections are refused, and streams still open after 5 s are cut (their requests then
     # end as engine.stop() aborts them).
     with _stop_signals_end_quietly():
-      uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
+      uvicorn.Server(uvicorn_config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
   finally:
     engine.stop()
     sock.close()

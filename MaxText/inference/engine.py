@@ -12,10 +12,15 @@ on its slot generates with the others in `generate`, one compiled `lax.while_loo
 decode_steps_per_dispatch steps per call. The loop ends early when a slot finishes while a request waits, so the
 slot is refilled at once; the host is not in the loop per token.
 
+While a streamed request runs (Request.stream), a call runs only the steps that fit in stream_interval_ms, as
+measured per batch shape (the loop's step limit is a traced argument: no new program), so its client gets its
+tokens every few tens of ms instead of in bursts of decode_steps_per_dispatch.
+
 Every request samples with its own settings and its own key (from its seed and the token's index), so its
 tokens depend only on its prompt, settings and seed, never on its neighbours or its slot. The cache layout and
 the prefix cache are layers/kv_cache.py's and pages.py's. Device state lives in `Slots`; the host keeps one
-`_Row` per busy slot (its pages, the tokens so far, the text sent) and a mirror of `Slots` in numpy.
+`_Row` per busy slot (its pages, the tokens so far, its text decoded after the prompt by detokenize.StopText) and
+a mirror of `Slots` in numpy.
 """
 
 import collections
@@ -36,6 +41,7 @@ from jax.experimental import multihost_utils
 from MaxText import checkpointing, sharding, state
 from MaxText import common_types as ct
 from MaxText.common_types import Config, ConfigError
+from MaxText.inference import detokenize as detokenize_lib
 from MaxText.inference import pages as pages_lib
 from MaxText.inference.sampling import Sampling, sample_rows
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
@@ -73,6 +79,7 @@ class Request:
   logprobs: int | None = None  # None: none; k: each sampled token's logprob and the k most likely alternatives
   echo: bool = False  # also the prompt tokens' logprobs (with logprobs)
   ignore_eos: bool = False  # generate past EOS (benchmarks: a fixed number of tokens)
+  stream: bool = False  # a client reads the tokens as they come: while it runs, generate calls last stream_interval_ms
 
 
 @dataclasses.dataclass
@@ -84,7 +91,7 @@ class TokenLogprob:
 @dataclasses.dataclass
 class Update:
   tokens: list[int]  # new tokens since the last update (none past a stop)
-  text: str  # new text since the last update
+  text: str  # new text since the last update, decoded after the prompt (detokenize.py: prompt + text is its tokens')
   logprobs: list[TokenLogprob] | None  # one per new token, when asked for
   prompt_logprobs: list[TokenLogprob | None] | None = None  # first update only, with echo (entry 0 is None)
   finish_reason: str | None = None  # last update only: "stop" (EOS, a stop id or string), "length", "abort"
@@ -145,6 +152,11 @@ def _empty_slots(n: int) -> dict[str, np.ndarray]:
   }
 
 
+def counted(n: int, noun: str) -> str:
+  """A count and its noun, plural unless the count is one ("1 slot", "2 slots"), for what the tools print."""
+  return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def bucket(length: int, limit: int) -> int:
   """The padded length of a prefill chunk: a power of two from MIN_BUCKET, or `limit` (so few lengths compile)."""
   size = MIN_BUCKET
@@ -165,6 +177,8 @@ def check(config: Config) -> None:
   for key in ("pagedattn_tokens_per_page", "prefill_chunk_size", "decode_steps_per_dispatch"):
     if getattr(config, key) < 1:
       raise ConfigError(f"{key}={getattr(config, key)} must be at least 1")
+  if config.stream_interval_ms < 0:
+    raise ConfigError(f"stream_interval_ms={config.stream_interval_ms} is negative; give 0 (off) or a time in ms, e.g. 20")
   if config.pagedattn_num_pages < 0:
     raise ConfigError(
       f"pagedattn_num_pages={config.pagedattn_num_pages} is negative; give 0 (enough for every slot) or more"
@@ -223,6 +237,19 @@ def _top(logprobs: jax.Array, tokens: jax.Array):
   return picked, top_ids.astype(jnp.int32), top_lp
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One executable warmup compiles: prefill of a chunk width, or generate of a number of rows and of pages."""
+
+  name: str  # "prefill" or "generate"
+  shape: tuple[int, int]  # prefill: (chunk width, 1 for a first chunk else 0); generate: (rows, pages read)
+
+  def __str__(self) -> str:
+    if self.name == "prefill":
+      return f"prefill of {counted(self.shape[0], 'token')}{'' if self.shape[1] else ' (a later chunk)'}"
+    return f"generate, {counted(self.shape[0], 'row')} reading {counted(self.shape[1], 'page')}"
+
+
 class Engine:
   """Compiled prefill and generate for one config, mesh and set of parameters, and the scheduler over them."""
 
@@ -240,6 +267,7 @@ class Engine:
     steps_per_dispatch: int | None = None,
     num_slots: int | None = None,
     sampled_logprobs: bool = False,
+    stream_interval_ms: float | None = None,
   ):
     check(config)
     quantizations.check_devices(config, mesh.devices.flat[0])  # as training's: fp8 on a GPU without it, megablox
@@ -254,6 +282,12 @@ class Engine:
     # importance ratio; top-k and top-p left out, as TRL leaves them); by default the model's own (OpenAI's).
     self.sampled_logprobs = sampled_logprobs
     self.steps = steps_per_dispatch or cfg.decode_steps_per_dispatch
+    # While a streaming request runs, a generate call runs as many steps as fit in this time (at least one), so
+    # its client gets tokens this often; the other calls run self.steps (the host is out of the loop for longer).
+    interval = cfg.stream_interval_ms if stream_interval_ms is None else stream_interval_ms
+    self.stream_interval = interval / 1e3
+    self._step_seconds = {}  # (rows, pages) of a generate call -> seconds per step, as measured (moving average)
+    self._last_call_seconds = 0.0
     self.max_prompt_length = cfg.max_prefill_predict_length
     self.max_length = cfg.max_target_length
     self.page_size = cfg.pagedattn_tokens_per_page
@@ -404,10 +438,11 @@ class Engine:
     prompt = _top(logprobs, chunk["targets"]) if echo else None
     return pool, token, picked, prompt
 
-  def _generate(self, params, pool, table, slots: Slots, refill, *, logprobs: bool):
-    """Up to `self.steps` decode steps of every active slot -> (pool, slots, tokens [slots, steps], (logprobs,
-    top ids, top logprobs) of each when asked, steps run). Stops when no slot is active, or when a slot
-    finished and `refill` says a request waits for it."""
+  def _generate(self, params, pool, table, slots: Slots, refill, limit, *, logprobs: bool):
+    """Up to `limit` (at most `self.steps`, a traced int32: a shorter call compiles nothing new) decode steps of
+    every active slot -> (pool, slots, tokens [slots, steps], (logprobs, top ids, top logprobs) of each when
+    asked, steps run). Stops when no slot is active, or when a slot finished and `refill` says a request waits
+    for it."""
     n, k = slots.last.shape[0], self.steps
     out = {"tokens": jnp.full((n, k), self.pad_id, jnp.int32)}
     if logprobs:
@@ -419,7 +454,7 @@ class Engine:
 
     def cond(carry):
       i, _, slots, _, finished = carry
-      return (i < k) & jnp.any(slots.active) & ~(refill & finished)
+      return (i < jnp.minimum(limit, k)) & jnp.any(slots.active) & ~(refill & finished)
 
     def body(carry):
       i, pool, s, out, finished = carry
@@ -465,27 +500,39 @@ class Engine:
     executable = self._compiled(name, fn, *args, **static)
     start = time.perf_counter()
     out = jax.block_until_ready(executable(*args))
-    self.stats[f"{name}_seconds"] += time.perf_counter() - start
+    self._last_call_seconds = time.perf_counter() - start
+    self.stats[f"{name}_seconds"] += self._last_call_seconds
     return out
 
-  def warmup(self) -> None:
-    """Compiles every program serving may run (each prefill chunk size, each number of generate rows and of pages
-    they read; without logprobs), so that no request waits for a compile (serve.py calls it before it listens)."""
-    chunk = {"start": np.int32(0), "count": np.int32(1)}
-    sampling = {k: v[:1] for k, v in _empty_slots(1).items() if k in ("seeds", "temperature", "top_k", "top_p")}
+  def programs(self) -> list[Program]:
+    """Every program serving may run (without logprobs), as warmup compiles them: each prefill chunk width (and
+    with chunked prefill or the prefix cache, each for a later chunk), each number of generate rows by each number
+    of pages they read."""
     widths = sorted({bucket(n, self.chunk) for n in range(1, self.chunk + 1)})
     later = self.config.use_chunked_prefill or self.config.enable_prefix_caching
-    for width in widths:
-      tokens = np.zeros((1, width), np.int32)
-      for first in (True, False) if later else (True,):
+    out = [Program("prefill", (w, int(first))) for w in widths for first in ((1, 0) if later else (1,))]
+    pages = sorted({self._pages_read(n * self.page_size) for n in range(1, self.pages_per_row + 1)})
+    rows = sorted({self._rows_bucket(n) for n in range(1, self.num_slots + 1)})
+    return out + [Program("generate", (r, p)) for r in rows for p in pages]
+
+  def warmup(self, progress: Callable[[int, Program], None] | None = None) -> None:
+    """Compiles every program of `programs()`, so that no request waits for a compile (serve.py calls it before it
+    listens); `progress(i, program)` is called after the i-th (from 1) is compiled."""
+    chunk = {"start": np.int32(0), "count": np.int32(1)}
+    sampling = {k: v[:1] for k, v in _empty_slots(1).items() if k in ("seeds", "temperature", "top_k", "top_p")}
+    for i, program in enumerate(self.programs(), 1):
+      if program.name == "prefill":
+        width, first = program.shape
+        tokens = np.zeros((1, width), np.int32)
         args = (self.params, self.pool, self._table[:1], {**chunk, "tokens": tokens, "targets": tokens}, sampling)
-        self._compiled("prefill", self._prefill, *args, first=first, echo=False)
-    widths = sorted({self._pages_read(n * self.page_size) for n in range(1, self.pages_per_row + 1)})
-    for rows in sorted({self._rows_bucket(n) for n in range(1, self.num_slots + 1)}):
-      slots = Slots(**{name: value[:rows] for name, value in self._host.items()})
-      for pages in widths:
-        table = self._table[:rows, :pages]
-        self._compiled("generate", self._generate, self.params, self.pool, table, slots, np.bool_(False), logprobs=False)
+        self._compiled("prefill", self._prefill, *args, first=bool(first), echo=False)
+      else:
+        rows, pages = program.shape
+        slots = Slots(**{name: value[:rows] for name, value in self._host.items()})
+        args = (self.params, self.pool, self._table[:rows, :pages], slots, np.bool_(False), np.int32(self.steps))
+        self._compiled("generate", self._generate, *args, logprobs=False)
+      if progress is not None:
+        progress(i, program)
 
   def load(self, params) -> None:
     """New parameters for the idle engine (RL's rollouts, between updates). Every cached prefix is dropped, since
@@ -750,6 +797,17 @@ class Engine:
     host["active"][slot] = not stopped
     self._emit(slot, row, [token], [logprob])
 
+  def _steps_now(self, active: list[int], shape: tuple[int, int]) -> int:
+    """Steps for the next generate call: self.steps, or while a streaming request runs as many as its measured
+    step time fits in stream_interval (one until that shape has been timed). From this process's clock: streaming
+    is serve.py's, which runs in one process (a multi-process job's calls must agree, and never stream)."""
+    if self.stream_interval <= 0 or not any(self._rows[slot].request.stream for slot in active):
+      return self.steps
+    per_step = self._step_seconds.get(shape)
+    if per_step is None:
+      return 1
+    return max(1, min(self.steps, int(self.stream_interval / per_step)))
+
   def _rows_bucket(self, busy: int) -> int:
     """How many slot rows a generate call runs for `busy` active ones: a power of two (so few sizes compile),
     a multiple of the ways the batch is split, at most every slot. Idle slots cost nothing this way."""
@@ -760,20 +818,26 @@ class Engine:
   def _decode(self) -> None:
     host = self._host
     active = [slot for slot in range(self.num_slots) if host["active"][slot]]
-    for slot in active:
-      self._take_pages(slot, self._rows[slot], int(host["lengths"][slot]) + self.steps)
     idle = [slot for slot in range(self.num_slots) if not host["active"][slot]]
     rows = np.asarray(active + idle[: self._rows_bucket(len(active)) - len(active)])
+    # Attention reads only the pages the longest row may reach in this call (a power of two of them).
+    pages = self._pages_read(max(int(host["lengths"][slot]) for slot in active) + self.steps)
+    steps = self._steps_now(active, (len(rows), pages))
+    for slot in active:
+      self._take_pages(slot, self._rows[slot], int(host["lengths"][slot]) + steps)
     with self._lock:
       refill = bool(self._waiting)
     logprobs = any(self._rows[slot].request.logprobs is not None for slot in active)
     slots = Slots(**{name: value[rows] for name, value in host.items()})
-    # Attention reads only the pages the longest row will reach in this call (a power of two of them).
-    reach = max(int(host["lengths"][slot]) for slot in active) + self.steps
-    table = self._table[rows, : self._pages_read(reach)]
+    table = self._table[rows, :pages]
     self.pool, slots, out, count = self._call(
-      "generate", self._generate, self.params, self.pool, table, slots, np.bool_(refill), logprobs=logprobs
-    )
+      "generate", self._generate, self.params, self.pool, table, slots, np.bool_(refill), np.int32(steps),
+      logprobs=logprobs,
+    )  # fmt: skip
+    if int(count):
+      seconds = self._last_call_seconds / int(count)
+      previous = self._step_seconds.get((len(rows), pages), seconds)
+      self._step_seconds[(len(rows), pages)] = 0.5 * previous + 0.5 * seconds
     slots, out, count = _fetch((slots, out, count))
     self.stats["steps"] += int(count)
     before = host["counter"][rows]
@@ -804,7 +868,7 @@ class Engine:
     row.tokens += tokens
     if request.logprobs is not None and logprobs is not None:
       row.pending_logprobs += [TokenLogprob(lp, _pairs(ids, lps, request.logprobs)) for lp, ids, lps in logprobs]
-    text, cut = row.new_text(self.detokenize, final=finish is not None)
+    text, cut = row.new_text(self.detokenize, tokens, final=finish is not None)
     if cut:  # a stop string ended it earlier than any stop token
       finish, row.stop_token, row.stop_logprob = "stop", None, None
     if finish is not None:
@@ -848,7 +912,7 @@ class _Row:
   prefilled: int = 0
   tokens: list[int] = dataclasses.field(default_factory=list)
   sent_tokens: int = 0
-  text: str = ""  # the text sent so far
+  text: detokenize_lib.StopText | None = None  # its text so far, decoded after the prompt (with a detokenizer)
   pending_logprobs: list = dataclasses.field(default_factory=list)
   prompt_logprobs: list | None = None
   first: bool = True
@@ -859,41 +923,26 @@ class _Row:
     if self.request.echo:
       self.prompt_logprobs = []
 
-  def new_text(self, detokenize, final: bool) -> tuple[str, bool]:
-    """(text not sent yet that may be sent now, whether a stop string ended it). Until the request ends, text
-    that may still turn into a stop string, and an incomplete character at the end, are held back."""
+  def new_text(self, detokenize, tokens: list[int], final: bool) -> tuple[str, bool]:
+    """(the text `tokens` add that may be sent now, whether a stop string ended it). Until the request ends, text
+    that may still turn into a stop string, and an incomplete character at the end, are held back. At a stop
+    string, the tokens after the one that completes it are dropped, with their logprobs."""
     if detokenize is None:
       return "", False
-    full = detokenize(self.tokens)
-    stops = self.request.stop
-    if stops:
-      begin = max(0, len(self.text) - max(map(len, stops)))
-      hits = [i for i in (full.find(s, begin) for s in stops) if i >= 0]
-      if hits:  # Cut at the token that completes a stop string first; later tokens go, with their logprobs.
-        end = next(
-          m
-          for m in range(self.sent_tokens + 1, len(self.tokens) + 1)
-          if any(stop in detokenize(self.tokens[:m])[begin:] for stop in stops)
-        )
-        del self.pending_logprobs[end - self.sent_tokens :]
-        del self.tokens[end:]
-        full = detokenize(self.tokens)
-        cut = min(i for i in (full.find(s, begin) for s in stops) if i >= 0)
-        return full[len(self.text) : max(cut, len(self.text))], True
-    if final:
-      return full[len(self.text) :], False
-    safe = len(full.rstrip("\ufffd"))
-    hold = 0
-    for stop in stops:  # the longest end of the text that begins a stop string
-      hold = max(
-        [hold] + [size for size in range(1, min(len(stop) - 1, safe) + 1) if full[safe - size : safe] == stop[:size]]
-      )
-    return full[len(self.text) : max(safe - hold, len(self.text))], False
+    if self.text is None:
+      self.text = detokenize_lib.StopText(detokenize, self.request.prompt, self.request.stop)
+    text, keep = self.text.add(tokens, final)
+    if keep is None:
+      return text, False
+    drop = len(tokens) - keep
+    if drop:
+      del self.tokens[len(self.tokens) - drop :]
+      del self.pending_logprobs[max(len(self.pending_logprobs) - drop, 0) :]
+    return text, True
 
   def send(self, text: str, finish: str | None) -> None:
     tokens = self.tokens[self.sent_tokens :]
     self.sent_tokens = len(self.tokens)
-    self.text += text
     logprobs = None
     if self.request.logprobs is not None:
       logprobs, self.pending_logprobs = self.pending_logprobs, []

@@ -16,6 +16,7 @@ test_every_family_...).
 """
 
 import collections
+import dataclasses
 import threading
 
 import jax
@@ -600,7 +601,7 @@ def test_a_stop_string_cuts_where_it_completes_first_whatever_the_burst():
   """Stops ("bc ", "c") over tokens "bc", " ", "x": token by token, "c" completes first (with "bc"), so the text is
   "b" and the tokens end with "bc", whether the tokens arrive one call at a time or in one burst (a burst's length
   depends on the neighbours' early exits)."""
-  pieces = {1: "bc", 2: " ", 3: "x"}
+  pieces = {1: "bc", 2: " ", 3: "x", 5: "p"}
 
   def detokenize(tokens):
     return "".join(pieces[t] for t in tokens)
@@ -610,8 +611,53 @@ def test_a_stop_string_cuts_where_it_completes_first_whatever_the_burst():
     row = engine_lib._Row(0, engine_lib.Request((5,), 8, stop=("bc ", "c")), updates.append)
     for burst in bursts:
       row.tokens += burst
-      text, cut = row.new_text(detokenize, final=False)
+      text, cut = row.new_text(detokenize, burst, final=False)
       row.send(text, "stop" if cut else None)
       if cut:
         break
     assert ("".join(u.text for u in updates), row.tokens, updates[-1].finish_reason) == ("b", [1], "stop"), bursts
+
+
+# ------------------------------------------------------------------------------------------ text and streaming
+def _sp_like(tokens):
+  """A detokenizer that, like SentencePiece, drops the space of a text's first word: even ids are words ("▁w4",
+  a space and w4), odd ones pieces of words ("p5")."""
+  return "".join(f"▁w{t}" if t % 2 == 0 else f"p{t}" for t in tokens).replace("▁", " ").removeprefix(" ")
+
+
+def test_text_is_decoded_after_the_prompt():
+  """Each result's text (its updates' texts joined) is what its tokens add after its prompt's, decode(prompt +
+  tokens) past decode(prompt): a first word keeps its space (before: the tokens were decoded alone, and lost it)."""
+  cfg = config(*DECODE)
+  _, params = _params(cfg)
+  requests = _requests(cfg)
+  results = _engine(cfg, params, detokenize=_sp_like).generate(requests)
+  for request, result in zip(requests, results, strict=True):
+    prompt = _sp_like(request.prompt)
+    assert prompt + result.text == _sp_like(request.prompt + tuple(result.tokens)), request
+  assert any(result.text.startswith(" ") for result in results)
+
+
+def test_a_streamed_request_gets_its_tokens_as_they_are_made():
+  """decode_steps_per_dispatch=16. A request with stream=True gets one update per token when one step fills
+  stream_interval_ms (every update after the prefill's holds one token), and bursts when 16 steps fit; without
+  stream, bursts of up to 16. The tokens are full recomputation's greedy ones in every case."""
+  cfg = config(*DECODE, "per_device_batch_size=1", "decode_steps_per_dispatch=16")
+  model, params = _params(cfg)
+  request = _requests(cfg, shapes=((6, 14),), seed=4)[0]
+  want = _full_forward(model, params, [request])[0]
+
+  def updates(stream: bool, interval_ms: float) -> list[int]:
+    engine = _engine(cfg, params, stream_interval_ms=interval_ms)
+    sizes = []
+    engine.submit(dataclasses.replace(request, stream=stream), lambda u: sizes.append(len(u.tokens)))
+    while engine.busy():
+      engine.run_once()
+    return sizes
+
+  assert updates(True, 1e-6) == [1] * 14  # one step fits: every token as it is made
+  assert updates(False, 1e-6)[1:] == [13]  # no stream: the whole rest in one call
+  bursts = updates(True, 1e6)  # 16 steps fit: the first call is timed with one step, then the rest at once
+  assert bursts == [1, 1, 12], bursts
+  (result,) = _engine(cfg, params, stream_interval_ms=1e-6).generate([dataclasses.replace(request, stream=True)])
+  assert result.tokens == want

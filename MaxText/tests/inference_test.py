@@ -409,6 +409,29 @@ def test_cli_prints_prompts_and_outputs_without_raw_control_characters(trained, 
   ]
 
 
+def test_cli_prints_each_output_after_its_prompt_and_counts_in_words(trained, capsys):
+  """decode.py prints the text its output tokens add after its prompt's tokens (decode(prompt + output) past
+  decode(prompt), from the engine's tokens run here), and its figures count in words: "1 prompt" (before: "1
+  prompt(s)", and "(1 slots)" for one slot)."""
+  import os as os_lib
+
+  from MaxText.inference import prompts as prompts_lib
+
+  _, args = trained
+  code, out, err = _run(decode.main, (*args, "run_name=run", "prompt=The sun"), capsys)
+  assert code == 0, err
+  cfg = config(*args, "run_name=run", "prompt=The sun", num_devices=8)
+  engine, tokenizer = engine_lib.Engine.from_config(cfg)
+  ids = prompts_lib.prompt_tokens(cfg, tokenizer, ["The sun"])[0]
+  (result,) = engine.generate([engine_lib.Request(tuple(ids), cfg.max_target_length - cfg.max_prefill_predict_length)])
+  whole, before = tokenizer.decode(ids + result.tokens), tokenizer.decode(ids)
+  want = whole[len(os_lib.path.commonprefix([whole, before])) :]
+  assert f"Input `The sun` -> `{decode.visible(want)}`" in out.splitlines()
+  figures = next(line for line in out.splitlines() if line.startswith("Prefill: "))
+  assert " for 1 prompt; " in figures and f"({engine.num_slots} slots)" in figures, figures
+  assert [engine_lib.counted(n, "slot") for n in (0, 1, 2)] == ["0 slots", "1 slot", "2 slots"]
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
 def test_a_prompts_file_that_is_not_a_regular_file_is_never_opened(trained, capsys, tmp_path, kind):
   from MaxText.tests.helpers import deadline

@@ -3,13 +3,15 @@
 The engine here is FakeEngine, which honours inference/engine.py's interface (check, submit, cancel, start, stop,
 the Update stream) with a rule simple enough to be the tests' reference: generated token i is the prompt's token
 (offset + i) mod its length (offset 0 greedily, the seed when sampling), and each token's logprob follows from
-its id (`fake_logprob`), with k - 1 alternatives (whole words) each a nat less likely. Expected texts come from
+its id (`fake_logprob`), with k - 1 alternatives (whole words) each a nat less likely. Its text is what the
+engine promises: the completion's tokens decoded after the prompt's (`after`). Expected texts come from
 SentencePiece itself, not from the server's code.
 """
 
 import contextlib
 import http.client
 import json
+import os
 import random
 import socket
 import threading
@@ -21,7 +23,7 @@ from MaxText import serve
 from MaxText.common_types import ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.tests.helpers import BASE_YML, config, overrides
+from MaxText.tests.helpers import BASE_YML, FUZZ_PARTS, config, deadline, fuzz_part, overrides
 
 MODEL = "tiny-demo"
 TEXT = "The sun of the sea is 3."
@@ -29,6 +31,13 @@ SECONDS = 20  # the longest any wait in these tests may take
 
 
 # ------------------------------------------------------------------------------------------ the fake engine
+def after(decode, prompt, tokens) -> str:
+  """The text `tokens` add after `prompt`: decode(prompt + tokens) after the part of decode(prompt) it starts with
+  (inference/detokenize.py's promise, computed from whole decodes)."""
+  full, before = decode([*prompt, *tokens]), decode(list(prompt))
+  return full[len(os.path.commonprefix([before, full])) :]
+
+
 def fake_logprob(token: int) -> float:
   return -0.25 * (1 + token % 5)
 
@@ -124,7 +133,7 @@ class FakeEngine:
     finish = "stop" if token in request.stop_token_ids else None
     tokens = [] if finish else [token]
     row["tokens"] += tokens
-    text = self.tokenizer.decode(row["tokens"])
+    text = after(self.tokenizer.decode, prompt, row["tokens"])
     cuts = [text.find(s) for s in request.stop if s in text]
     if cuts:
       text, finish = text[: min(cuts)], "stop"
@@ -173,7 +182,7 @@ def running(app):
   import uvicorn
 
   sock = serve.listen("127.0.0.1", 0)
-  server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+  server = uvicorn.Server(serve.uvicorn_config(app, log_level="warning"))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
   try:
@@ -247,12 +256,12 @@ def test_completion_text_and_usage_follow_the_engine(server, sp):
   engine, url = server
   ids = ids_of(sp, TEXT)
   out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=5, temperature=0)
-  assert out.choices[0].text == sp.decode(ids[:5])
+  assert out.choices[0].text == after(sp.decode, ids, ids[:5])
   assert out.choices[0].finish_reason == "length" and out.choices[0].index == 0
   assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 5)
   assert engine.submitted[-1].prompt == tuple(ids)  # BOS first (add_bos), then the text's tokens
   whole = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=len(ids), temperature=0)
-  assert whole.choices[0].text == TEXT  # echoing every prompt token gives the prompt back
+  assert whole.choices[0].text == " " + TEXT  # every prompt token again, after the prompt: "▁The" keeps its space
 
 
 def test_batch_of_prompts_and_token_ids_with_n_and_seeds(server, sp):
@@ -263,11 +272,11 @@ def test_batch_of_prompts_and_token_ids_with_n_and_seeds(server, sp):
   for i, choice in enumerate(out.choices):
     ids = ids_of(sp, prompts[i // 2])
     seed = 3 + i % 2  # choice j of a prompt samples with seed + j
-    assert choice.text == sp.decode([ids[(seed + t) % len(ids)] for t in range(4)]), i
+    assert choice.text == after(sp.decode, ids, [ids[(seed + t) % len(ids)] for t in range(4)]), i
   assert [r.seed for r in engine.submitted[-4:]] == [3, 4, 3, 4]
   token_ids = [sp.encode("The sea"), sp.encode("is 3.")]
   out = client(url).completions.create(model=MODEL, prompt=token_ids, max_tokens=2, temperature=0)
-  assert [c.text for c in out.choices] == [sp.decode(t[:2]) for t in token_ids]
+  assert [c.text for c in out.choices] == [after(sp.decode, t, t[:2]) for t in token_ids]
   assert [r.prompt for r in engine.submitted[-2:]] == [tuple(t) for t in token_ids]  # token ids as sent, no BOS
 
 
@@ -279,7 +288,8 @@ def test_streamed_completion_equals_the_whole_one(server, sp):
     )
   )
   assert len(chunks) >= 3  # streamed as it is generated, not all at once
-  assert "".join(c.choices[0].text for c in chunks if c.choices) == sp.decode(ids_of(sp, TEXT)[:7])
+  ids = ids_of(sp, TEXT)
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == after(sp.decode, ids, ids[:7])
   assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
   assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
 
@@ -288,11 +298,12 @@ def test_stop_strings_and_stop_token_ids(server, sp):
   _, url = server
   ids = ids_of(sp, TEXT)
   out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=len(ids), temperature=0, stop=["sea"])
-  assert out.choices[0].text == TEXT[: TEXT.index("sea")] and out.choices[0].finish_reason == "stop"
+  whole = after(sp.decode, ids, ids)
+  assert out.choices[0].text == whole[: whole.index("sea")] and out.choices[0].finish_reason == "stop"
   out = client(url).completions.create(
     model=MODEL, prompt=TEXT, max_tokens=len(ids), temperature=0, extra_body={"stop_token_ids": [ids[3]]}
   )
-  assert out.choices[0].text == sp.decode(ids[:3]) and out.choices[0].finish_reason == "stop"
+  assert out.choices[0].text == after(sp.decode, ids, ids[:3]) and out.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("max_tokens", [1, 0])
@@ -310,7 +321,7 @@ def test_echo_with_logprobs_is_what_lm_eval_parses(server, sp, max_tokens):
   generated = ids[:max_tokens]  # the echo rule's first token: the prompt's first
   assert logprobs["token_logprobs"] == [None] + [fake_logprob(t) for t in ids[1:]] + [fake_logprob(t) for t in generated]
   assert logprobs["top_logprobs"][0] is None and all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
-  assert out["choices"][0]["text"] == sp.decode(ids) + sp.decode(generated)
+  assert out["choices"][0]["text"] == sp.decode(ids + generated)
   offsets, text = logprobs["text_offset"], out["choices"][0]["text"]
   assert offsets == sorted(offsets) and "".join(logprobs["tokens"]) == text
   assert all(text[o:].startswith(t) for o, t in zip(offsets, logprobs["tokens"], strict=True))
@@ -340,12 +351,12 @@ def test_chat_renders_the_fallback_template_and_streams_the_same(server, sp, tok
   ids = [sp.bos_id(), *sp.encode(rendered)]
   messages = [{"role": "user", "content": "hi sun"}]
   out = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=len(ids), temperature=0)
-  assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == sp.decode(ids)
+  assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == after(sp.decode, ids, ids)
   assert out.usage.prompt_tokens == len(ids) and out.choices[0].finish_reason == "length"
   stream = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True, temperature=0)
   chunks = list(stream)
   assert chunks[0].choices[0].delta.role == "assistant"
-  assert "".join(c.choices[0].delta.content or "" for c in chunks) == sp.decode(ids[:5])
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == after(sp.decode, ids, ids[:5])
   assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
 
 
@@ -357,13 +368,13 @@ def test_chat_n_logprobs_and_stop(server, sp):
   )
   ids = [sp.bos_id(), *sp.encode("System: be brief\nUser: sea\nAssistant:")]
   for i, choice in enumerate(out.choices):
-    assert choice.index == i and choice.message.content == sp.decode(ids[:4])
+    assert choice.index == i and choice.message.content == after(sp.decode, ids, ids[:4])
     assert [e.logprob for e in choice.logprobs.content] == [fake_logprob(t) for t in ids[:4]]
     assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
   out = client(url).chat.completions.create(
     model=MODEL, messages=messages, max_tokens=64 - len(ids), stop="brief", temperature=0
   )
-  assert out.choices[0].message.content == "System: be " and out.choices[0].finish_reason == "stop"
+  assert out.choices[0].message.content == " System: be " and out.choices[0].finish_reason == "stop"
 
 
 # ------------------------------------------------------------------------------------------ info routes
@@ -607,11 +618,17 @@ def test_serving_keys_are_checked_and_named():
     serve.check(config("server_port=70000"))
   with pytest.raises(ConfigError, match=r"server_max_queue=0 must be at least 1"):
     serve.check(config("server_max_queue=0"))
+  with pytest.raises(ConfigError, match=r"server_max_prompt_chars=0 must be at least 1"):
+    serve.check(config("server_max_prompt_chars=0"))
+  with pytest.raises(ConfigError, match=r"server_read_timeout=0 must be 1 to 86400 seconds"):
+    serve.check(config("server_read_timeout=0"))
+  with pytest.raises(ConfigError, match=r"stream_interval_ms=-1 is negative"):
+    engine_lib.check(config("stream_interval_ms=-1", "max_prefill_predict_length=32"))
   assert serve.served_name(config("run_name=", "load_parameters_path=/x/runs/demo/checkpoints/5/items")) == "demo"
   assert serve.served_name(config("run_name=mine")) == "mine"
   assert serve.served_name(config("served_model_name=m", "run_name=mine")) == "m"
-  options = serve.Options.from_config(config("server_api_key=k", "add_bos=false"))
-  assert (options.api_key, options.add_bos, options.model_name) == ("k", False, "test")
+  options = serve.Options.from_config(config("server_api_key=k", "add_bos=false", "server_read_timeout=7"))
+  assert (options.api_key, options.add_bos, options.model_name, options.read_timeout) == ("k", False, "test", 7)
 
 
 def test_the_command_line_refuses_a_bad_key_in_one_line(capsys):
@@ -661,6 +678,8 @@ def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path)
   texts = [TEXT, "The moon of the sky is 7.", "System", "The sea of the sun is 12, hi. The"]
   alone = [engine().generate([engine_lib.Request(tuple(ids_of(sp, t)), 12, logprobs=2)])[0] for t in texts]
   assert len({tuple(r.tokens) for r in alone}) > 1  # the prompts lead to different outputs
+  # The engine's text is its tokens' after the prompt's (before: decoded alone, a first "▁word" lost its space).
+  assert [r.text for r in alone] == [after(sp.decode, ids_of(sp, t), r.tokens) for t, r in zip(texts, alone, strict=True)]
   chat_ids = prompts.chat_tokens(cfg, tokenizer, [{"role": "user", "content": "Which sea?"}])
   chat_alone = engine().generate([engine_lib.Request(tuple(chat_ids), 10)])[0]
 
@@ -686,7 +705,18 @@ def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path)
       chat = client(url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Which sea?"}], max_tokens=10, temperature=0
       )
-      assert chat.choices[0].message.content == chat_alone.text
+      assert chat.choices[0].message.content == chat_alone.text == after(sp.decode, chat_ids, chat_alone.tokens)
+      # With echo (the issue's 'The king saidg* I'): the text is the prompt's and the completion's tokens' text, the
+      # logprobs' tokens join to it and each text_offset points at its token.
+      for stream in (False, True):
+        body = {"model": MODEL, "prompt": TEXT, "max_tokens": 12, "temperature": 0, "logprobs": 1, "echo": True}
+        out = client(url).completions.create(stream=stream, **body)
+        chunks = list(out) if stream else [out]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = sum((c.choices[0].logprobs.tokens for c in chunks), [])
+        offsets = sum((c.choices[0].logprobs.text_offset for c in chunks), [])
+        assert text == sp.decode(ids_of(sp, TEXT) + alone[0].tokens) == TEXT + alone[0].text, stream
+        assert "".join(tokens) == text and all(text[o:].startswith(t) for o, t in zip(offsets, tokens, strict=True))
   finally:
     served.stop()
 
@@ -749,3 +779,285 @@ def test_an_aborted_request_is_an_error_not_a_short_answer(tokenizer, stream):
         assert_error(status, out, 500, "the engine stopped or failed")
   finally:
     engine.stop()
+
+
+# ------------------------------------------------------------------------------------------ one client, everyone
+def _health_latencies(url, busy: threading.Thread) -> list[float]:
+  """Seconds each GET /health took, asked one after another while `busy` runs (at least 3 times)."""
+  latencies = []
+  while busy.is_alive() or len(latencies) < 3:
+    start = time.perf_counter()
+    assert post(url, "/health", b"", method="GET")[0] == 200
+    latencies.append(time.perf_counter() - start)
+    time.sleep(0.01)
+  return latencies
+
+
+@pytest.mark.slow  # seconds of parsing on purpose
+def test_a_huge_request_does_not_stall_the_others(tokenizer, sp):
+  """A 9 MB completions body of 3M token ids and a /tokenize text of 900k characters (both under the body limit):
+  while the server parses, checks and tokenizes them, /health answers within 0.5 s every time (before: the event
+  loop did that work, and /health waited seconds), and they get their answers: a 400 naming the prompt and its
+  size limit (before any validation), and the text's tokens."""
+  with started(tokenizer) as (engine, url):
+    results = {}
+    text = "The sun of the sea is 3. " * 36_000
+    # Encoded here, first: the test's client shares the server's process (and GIL).
+    huge = json.dumps({"model": MODEL, "prompt": [5] * 3_000_000, "max_tokens": 1}).encode()
+    long = json.dumps({"prompt": text}).encode()
+    jobs = {"ids": lambda: post(url, "/v1/completions", huge), "text": lambda: post(url, "/tokenize", long)}
+    for name, job in jobs.items():
+      busy = threading.Thread(target=lambda name=name, job=job: results.update({name: job()}))
+      with deadline(120):
+        busy.start()
+        latencies = _health_latencies(url, busy)
+        busy.join()
+      assert max(latencies) < 0.5, (name, len(latencies), sorted(latencies)[-5:])
+    assert_error(*results["ids"], 400, "prompt: 3000000 token ids, more than 48 (the longest prompt")
+    status, out = results["text"]
+    assert status == 200 and out["tokens"] == ids_of(sp, text) and out["count"] == len(out["tokens"])
+    assert not engine.submitted
+
+
+SIZES = [  # (path, body, the message's start): each over a bound, refused before validation or tokenization
+  ("/v1/completions", {"prompt": [5] * 49}, "prompt: 49 token ids, more than 48"),
+  ("/v1/completions", {"prompt": [[5], [5] * 49]}, "prompt[1]: 49 token ids, more than 48"),
+  ("/v1/completions", {"prompt": ["sun"] * 9}, "prompt: 9 prompts, more than 8 (server_max_queue"),
+  ("/v1/completions", {"prompt": "s" * 1001}, "prompt: 1001 characters, more than 1000 (server_max_prompt_chars"),
+  ("/v1/completions", {"prompt": ["sun", "s" * 1001]}, "prompt[1]: 1001 characters"),
+  ("/v1/completions", {"prompt": "sun", "stop": ["x" * 257]}, "stop[0]: 257 characters, more than 256"),
+  ("/v1/completions", {"prompt": "sun", "stop": ["x"] * 65}, "stop: 65 stop strings, more than 64"),
+  ("/v1/completions", {"prompt": "sun", "stop_token_ids": [5] * 65}, "stop_token_ids: 65 token ids, more than 64"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "s" * 600}] * 2}, "messages: 1200 characters"),
+  ("/v1/chat/completions", {"messages": [{"role": "user"}] * 4097}, "messages: 4097 messages, more than 4096"),
+  ("/tokenize", {"prompt": "s" * 1001}, "prompt: 1001 characters, more than 1000"),
+  ("/detokenize", {"tokens": [5] * 65}, "tokens: 65 token ids, more than 64 (max_target_length)"),
+]
+
+
+def test_fields_over_their_size_are_refused_first_naming_the_bound(tokenizer):
+  engine = FakeEngine(tokenizer)
+  engine.start()
+  try:
+    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL, max_prompt_chars=1000))) as url:
+      for path, body, message in SIZES:
+        status, out = post(url, path, body)
+        assert_error(status, out, 400, message)
+        assert out["error"]["message"].startswith(message), out
+      assert post(url, "/tokenize", {"prompt": "s" * 1000})[0] == 200  # the bound itself is fine
+  finally:
+    engine.stop()
+  assert not engine.submitted
+
+
+def _read_until_closed(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+  """(what the server sent until it closed the connection, seconds it took); fails after `seconds`."""
+  start, data = time.perf_counter(), b""
+  sock.settimeout(seconds)
+  while True:
+    try:
+      chunk = sock.recv(65536)
+    except TimeoutError:
+      pytest.fail(f"the server held the connection for {seconds} s")
+    if not chunk:
+      return data, time.perf_counter() - start
+    data += chunk
+
+
+def test_slow_headers_and_bodies_are_cut_after_the_read_timeout(tokenizer):
+  """server_read_timeout=1: a client that connects and sends nothing, one that sends half its headers, one that
+  sends half its body, and one whose second request on a kept-alive connection stops mid-headers are each answered
+  408 and disconnected within 3 s (before: held forever); the server goes on serving."""
+  engine = FakeEngine(tokenizer)
+  engine.start()
+  try:
+    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL, read_timeout=1))) as url:
+      host, port = url.removeprefix("http://").split(":")
+      head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+      body = json.dumps({"prompt": "sun", "max_tokens": 1}).encode()
+      whole = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+      clients = {
+        "nothing": b"",
+        "half the headers": head.encode(),
+        "half the body": f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body[:5],
+        "kept alive, then half the headers": whole + head.encode(),
+      }
+      socks = {name: socket.create_connection((host, int(port)), timeout=SECONDS) for name in clients}
+      for name, data in clients.items():
+        socks[name].sendall(data)
+      for name, sock in socks.items():
+        with sock:
+          got, seconds = _read_until_closed(sock, 5)
+        assert seconds < 3, (name, seconds)
+        assert got.count(b"HTTP/1.1 408") == 1, (name, got)
+        if name == "half the body":
+          assert b"did not arrive within 1 s (server_read_timeout)" in got, got
+        if name.startswith("kept alive"):
+          assert got.startswith(b"HTTP/1.1 200"), got
+      out = client(url).completions.create(model=MODEL, prompt="sun", max_tokens=2)
+      assert out.choices[0].finish_reason == "length"
+  finally:
+    engine.stop()
+
+
+SURROGATES = [  # (path, body with a lone surrogate, the field the 400 names)
+  ("/v1/completions", {"prompt": "The \ud800 sun"}, "prompt"),
+  ("/v1/completions", {"prompt": ["sun", "\udfff"]}, "prompt[1]"),
+  ("/v1/completions", {"prompt": "sun", "stop": "\ud800"}, "stop"),
+  ("/v1/completions", {"prompt": "sun", "stop": ["a", "b\ud800"]}, "stop[1]"),
+  ("/v1/completions", {"prompt": "sun", "model": "\ud800"}, "model"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+  (
+    "/v1/chat/completions",
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+    "messages[0].content[0].text",
+  ),
+  ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "x"}]}, "messages[0].role"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "\ud800": 1}]}, "messages[0] (a key)"),
+  ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+]
+
+
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(server):
+  """JSON's "\\ud800" parses to a lone surrogate, which no tokenizer or response can encode (before: a 500 and a
+  traceback for prompts, chat content and /tokenize)."""
+  engine, url = server
+  for path, body, field in SURROGATES:
+    raw = json.dumps(body).encode()
+    assert b"\\ud" in raw or b"\\udfff" in raw  # sent as JSON's escape, as a client would
+    status, out = post(url, path, raw)
+    assert_error(status, out, 400, f"{field} holds a lone surrogate")
+    assert out["error"]["param"] == field.split("[")[0].split(" ")[0].split(".")[0], out
+  assert post(url, "/tokenize", {"prompt": "\ud83d\ude00"})[0] == 200  # an escaped pair is one character: fine
+  assert not engine.submitted
+
+
+# ------------------------------------------------------------------------------------------ wrong shapes
+BASES = {  # a valid body of each route, every field of it present
+  "/v1/completions": {
+    "model": MODEL, "prompt": "sun", "max_tokens": 2, "temperature": 0.5, "top_p": 1, "top_k": 0, "n": 1, "seed": 3,
+    "stop": ["zz"], "stop_token_ids": [7], "echo": False, "logprobs": 1, "stream": False,
+    "stream_options": {"include_usage": True},
+  },
+  "/v1/chat/completions": {
+    "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "sun"}]}], "max_tokens": 2,
+    "logprobs": True, "top_logprobs": 1, "stop": "zz", "n": 1,
+  },
+  "/tokenize": {"prompt": "sun", "add_special_tokens": True},
+  "/detokenize": {"tokens": [5, 6]},
+}  # fmt: skip
+
+
+def _nest(value, depth: int):
+  for _ in range(depth):
+    value = [value]
+  return value
+
+
+# (name, value -> the value put in its place); "body" ones break the whole body, so the 400 names the body.
+WRONG_SHAPES = [
+  ("a list", lambda v: [v]),
+  ("an object", lambda v: {"a": v}),
+  ("null", lambda v: None),
+  ("nested nulls", lambda v: [None, {"x": None}]),
+  ("a number as a string", lambda v: str(v) if isinstance(v, int | float) else "5"),
+  ("a huge int", lambda v: 10**30),
+  ("a huge negative int", lambda v: -(10**30)),
+  ("a 4000-digit int", lambda v: 10**4000),
+  ("a huge float", lambda v: 1e308),
+  ("a float", lambda v: 2.5),
+  ("a bool", lambda v: True),
+  ("-1", lambda v: -1),
+  ("an empty string", lambda v: ""),
+  ("an empty list", lambda v: []),
+  ("an empty object", lambda v: {}),
+  ("a lone surrogate", lambda v: "a\ud800b"),
+  ("a huge list", lambda v: [v] * 20_000),
+  ("nested 100 deep", lambda v: _nest(v, 100)),
+]
+BODY_SHAPES = [  # the raw body: (name, bytes)
+  ("a list", b"[{}]"),
+  ("a string", b'"x"'),
+  ("null", b"null"),
+  ("nested 100000 deep", b"[" * 100_000 + b"]" * 100_000),
+  ("a 5000-digit int", b'{"max_tokens": 1' + b"0" * 5000 + b"}"),
+  ("not UTF-8", b'{"prompt": "\xff"}'),
+]
+
+
+def _paths(value, path=()):
+  """Every path into `value` (keys and list indices), the root first."""
+  yield path
+  if isinstance(value, dict):
+    for key, item in value.items():
+      yield from _paths(item, (*path, key))
+  elif isinstance(value, list):
+    for i, item in enumerate(value):
+      yield from _paths(item, (*path, i))
+
+
+def _replaced(value, path, fn):
+  if not path:
+    return fn(value)
+  copy = dict(value) if isinstance(value, dict) else list(value)
+  copy[path[0]] = _replaced(value[path[0]], path[1:], fn)
+  return copy
+
+
+def _shape_cases() -> list[tuple[str, str, bytes, str]]:
+  """(route, what, body, the field its 400 names): each field at each depth of each route's valid body replaced
+  by each wrong shape, and whole bodies of the wrong shape."""
+  cases = []
+  for route, base in BASES.items():
+    for path in _paths(base):
+      if not path:
+        continue
+      for name, fn in WRONG_SHAPES:
+        what = ".".join(map(str, path)) + f" = {name}"
+        cases.append((route, what, json.dumps(_replaced(base, path, fn)).encode(), str(path[0])))
+    cases += [(route, f"the body = {name}", raw, "request body") for name, raw in BODY_SHAPES]
+  return cases
+
+
+@pytest.mark.parametrize("part", FUZZ_PARTS)
+def test_wrong_shapes_are_4xx_naming_the_field(tokenizer, part):
+  """Valid JSON of the wrong shape at every level of every route's body (lists for objects, nested nulls, numbers
+  as strings, huge numbers, deep nesting, lone surrogates, huge lists, empty strings, ...): each ends within 5 s in
+  a 200 (a shape the API takes, such as null for a default) or a 4xx whose message or param names the field (the
+  request body, for a body that is no object), never a 500; and the server serves after them."""
+  cases = fuzz_part(_shape_cases(), part)
+  assert len(cases) > 50
+  with started(tokenizer, delay=0.0005) as (engine, url):
+    for i, (route, what, raw, field) in cases:
+      start = time.perf_counter()
+      with deadline(20):
+        status, out = post(url, route, raw)
+      assert time.perf_counter() - start < 5, (i, route, what)
+      assert status == 200 or 400 <= status < 500, (i, route, what, status, out)
+      if status != 200:
+        assert_error(status, out, status, "")
+        message, param = out["error"]["message"], out["error"]["param"]
+        assert field in message or param == field, (i, route, what, out)
+    out = client(url).completions.create(model=MODEL, prompt=TEXT, max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow  # compiles three programs: about 20 s on 2 busy cores
+def test_start_up_says_what_it_compiles_and_how_far_it_got(spm_path, capsys):
+  """serve.py compiles before it listens (35 s on the demo model, silent before): it first prints how many programs
+  of each kind, a count warmup then compiles exactly, and ends with how far it got and the time."""
+  import re
+
+  cfg, mesh, params = _tiny_model(spm_path)
+  engine = engine_lib.Engine(cfg, mesh, params, num_slots=1)
+  serve.compile_programs(engine)
+  lines = capsys.readouterr().out.splitlines()
+  first = re.fullmatch(
+    r"Compiling the engine's programs before serving: (\d+) prefill sizes? and (\d+) generate shapes? \(rows x pages "
+    r"read\), (\d+) programs?",
+    lines[0],
+  )
+  assert first, lines
+  prefill, generate, total = map(int, first.groups())
+  assert total == prefill + generate == len(engine._executables) and prefill > 1 and generate == 1
+  assert lines[-2].startswith(f"  compiled {total}/{total} (") and lines[-1].startswith("Compiled the engine's programs")
