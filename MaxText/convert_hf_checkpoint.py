@@ -6,10 +6,13 @@
 DIR holds `config.json` and `*.safetensors` (sharded or not; `.bin` files are refused, never unpickled). The
 architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2: the families of MaxText/families/).
 Writes OUT/NAME/checkpoints/0/items (Orbax, params only, layers scanned or not as scan_layers says) and next to
-it model.yml (our model keys, for model_name=OUT/NAME/checkpoints/0/model.yml) and the tokenizer files. The
+it model.yml (our model keys, for model_name=OUT/NAME/checkpoints/0/model.yml) and the tokenizer files (with
+what transformers keeps beside them: tokenizer_config.json, the chat template, generation_config.json, ...). The
 tensors are streamed: each is read, converted to weight_dtype and written before the next is read. Everything
-is checked (every tensor present, every shape right) before anything is written, and the output appears only
-when complete; an existing checkpoint is never overwritten.
+that can be is checked before anything is written (config.json's fields, every tensor present with its shape and a
+float dtype, the tokenizer loading); a NaN or an infinity in a tensor is found as it is streamed and refused too
+(hf_allow_non_finite_weights=true imports it). A refused import leaves nothing: the output is staged and appears
+only when complete; an existing checkpoint is never overwritten.
 """
 
 import json
@@ -25,9 +28,9 @@ import numpy as np
 import yaml
 
 from MaxText import checkpointing, cli, families, state, storage
-from MaxText.common_types import Config, ConfigError
-from MaxText.convert import get, hf_families, put, staged
-from MaxText.convert.streaming import HFTensors, LazyArray, save_params
+from MaxText.common_types import Config, ConfigError, cut
+from MaxText.convert import get, hf_families, put, staged, tokenizer_companions
+from MaxText.convert.streaming import FLOAT_DTYPES, HFTensors, LazyArray, non_finite, save_params
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers.linears import DTYPES
 
@@ -35,7 +38,12 @@ MODEL_YML = "model.yml"
 CHUNK_BYTES = 64 * 2**20  # a model-level tensor bigger than this (an embedding) is converted in blocks of rows
 
 
+JSON_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def read_hf_config(folder: str) -> dict:
+  """config.json of a Hugging Face folder as a dict; ConfigError, naming the file, for one that is no JSON object.
+  (What its fields hold is checked by the family reading them: hf_families.check_fields.)"""
   if not folder:
     raise ConfigError("hf_model_path is empty; give the Hugging Face model folder (config.json + *.safetensors)")
   path = os.path.join(folder, "config.json")
@@ -44,23 +52,66 @@ def read_hf_config(folder: str) -> dict:
   if not os.path.isfile(path):
     raise ConfigError(f"hf_model_path={folder} has no config.json; give a Hugging Face model folder")
   try:
-    with open(path) as f:
-      return json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    with open(path, encoding="utf-8") as f:
+      values = json.load(f)
+  except RecursionError:
+    raise ConfigError(
+      f"{path} nests its values deeper than {sys.getrecursionlimit()} levels; it is not a model's config.json"
+    ) from None
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and an integer of too many digits
+    raise ConfigError(f"{path} is not valid JSON ({cut(' '.join(str(e).split()), 200)})") from None
+  if not isinstance(values, dict):
+    raise ConfigError(
+      f"{path} holds a JSON {JSON_KINDS.get(type(values), type(values).__name__)}, not an object of the model's keys; "
+      "give the model's own config.json"
+    )
+  return values
 
 
 def find_tokenizer(folder: str) -> tuple[str, list[str]] | None:
-  """(tokenizer_type, files to copy) from the files in a Hugging Face folder, or None."""
+  """(tokenizer_type, files to copy: the tokenizer's first, then its TOKENIZER_COMPANIONS) from the files in a Hugging
+  Face folder, or None. ConfigError for a tokenizer.model of no kind we read."""
+  companions = tokenizer_companions(folder)
   if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-    extra = [n for n in ("tokenizer_config.json",) if os.path.isfile(os.path.join(folder, n))]
-    return "huggingface", ["tokenizer.json", *extra]
+    return "huggingface", ["tokenizer.json", *companions]
   for name in ("tokenizer.model", os.path.join("original", "tokenizer.model")):
-    if os.path.isfile(os.path.join(folder, name)):
-      kind = tokenizer_lib.looks_like(os.path.join(folder, name))
-      if kind in ("sentencepiece", "tiktoken"):
-        return kind, [name]
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+      kind = tokenizer_lib.looks_like(path)
+      if kind not in ("sentencepiece", "tiktoken"):
+        raise ConfigError(
+          f"hf_model_path: {path} is neither a SentencePiece model nor a tiktoken file, so it cannot be the "
+          "checkpoint's tokenizer; replace it with the model's own, or remove it (and give tokenizer_path= to runs)"
+        )
+      return kind, [name, *companions]
   return None
+
+
+def check_tokenizer(folder: str, tokenizer: tuple[str, list[str]], vocab_size: int) -> None:
+  """The tokenizer the import would copy (and print as the one to use) must load as our runs load it, fit the model's
+  vocabulary, and its chat template, if any, must parse: else ConfigError, before anything is written. Refused
+  rather than skipped: a checkpoint imported without its tokenizer is one a user goes on to use with another."""
+  kind, files = tokenizer
+  path = os.path.join(folder, files[0])
+  fix = "replace it with the model's own, or remove it (and give tokenizer_path= to runs)"
+  try:
+    loaded = tokenizer_lib.load(path, kind)
+  except ConfigError as e:  # its own message ends "; <the fix for a run's tokenizer_path>": this one's is ours
+    reason = str(e).rsplit("; ", 1)[0].removeprefix("tokenizer_path=")
+    raise ConfigError(f"hf_model_path: the tokenizer does not load: {reason}; {fix}") from None
+  if loaded.vocab_size > vocab_size:
+    raise ConfigError(
+      f"hf_model_path: {path} has {loaded.vocab_size} tokens but config.json's vocabulary is {vocab_size}; the "
+      f"tokenizer is not this model's: {fix}"
+    )
+  from MaxText.input_pipeline import sft
+
+  template = sft.tokenizer_template(path)
+  if template is not None:
+    try:
+      sft.compile_template(template[0])
+    except ConfigError as e:
+      raise ConfigError(f"hf_model_path: {template[1]}: {str(e).rsplit('; ', 1)[0]}; {fix}") from None
 
 
 class Plan:
@@ -86,6 +137,12 @@ class Plan:
           raise ConfigError(
             f"hf_model_path: tensor {name} has shape {tensors.shapes[stored]} but config.json implies {want}; "
             "the weights do not match config.json"
+          )
+        if tensors.dtypes[stored] not in FLOAT_DTYPES:  # an int8 weight would be cast, its scale lost, without this
+          raise ConfigError(
+            f"hf_model_path: tensor {stored} is stored as {tensors.dtypes[stored]}, but the parameter it makes is "
+            f"floating-point ({', '.join(FLOAT_DTYPES[:-1])}); the checkpoint is quantized or damaged: dequantize it "
+            "to bfloat16 or float32 first"
           )
         used.add(stored)
     extra = sorted(n for n in set(tensors.files) - used if not self.ignored(tensors.text_name(n)))
@@ -119,7 +176,13 @@ class Plan:
     def loader(group, i, k, rows=None, last=True):
       def load():
         hf = [self.tensors.load(n.format(i=i), rows) for n in group.hf]
-        out = np.ascontiguousarray(group.to_ours(*hf)[k]).astype(dtype, copy=False)
+        with np.errstate(over="ignore"):  # counted next, and refused in one line
+          out = np.ascontiguousarray(group.to_ours(*hf)[k]).astype(dtype, copy=False)
+        if not self.tensors.allow_non_finite and non_finite(out):  # finite in the file: beyond weight_dtype's range
+          raise ConfigError(
+            f"hf_model_path: tensor {group.hf[0].format(i=i)} has {non_finite(out)} values beyond the range of "
+            f"weight_dtype={self.config.weight_dtype}; import with weight_dtype=float32 (or bfloat16)"
+          )
         progress.update(int(last))
         return out
 
@@ -153,6 +216,29 @@ class Plan:
     return tree
 
 
+def check_layer_count(config: Config, tensors: HFTensors) -> None:
+  """The last decoder layer's tensors are there: checked before the model is built (layer by layer, unscanned), so
+  a config.json claiming far more layers than the checkpoint holds is refused at once."""
+  _, layer_groups = families.hf_mapping(config).layout(config)
+  last = config.num_decoder_layers - 1
+  for group in hf_families.layer_groups(layer_groups, last):
+    for name in (n.format(i=last) for n in group.hf):
+      if tensors.resolve(name) is None:
+        raise ConfigError(
+          f"hf_model_path: tensor {name} is missing, but config.json has {config.num_decoder_layers} layers; the "
+          "checkpoint is incomplete or config.json is not its own"
+        )
+
+
+def source_max_positions(hf_config: dict) -> int | None:
+  """The source's max_position_embeddings (its text model's), kept in model.yml as hf_max_position_embeddings so
+  that an export says what the model was made for (convert_to_hf_checkpoint.py)."""
+  tower = families.text_tower(hf_config)
+  text = hf_config.get(tower.config_key) if tower else hf_config
+  value = text.get("max_position_embeddings")
+  return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def convert(config: Config, argv: list[str]) -> str:
   """Writes the checkpoint, model.yml and tokenizer; returns the checkpoint's `items` path. `argv` is the
   command line, loaded again with model_name=model.yml so the imported keys are checked like any preset."""
@@ -161,12 +247,17 @@ def convert(config: Config, argv: list[str]) -> str:
   folder = os.path.expanduser(config.hf_model_path)
   hf_config = read_hf_config(folder)
   keys = families.model_keys_from_hf(hf_config)
+  if (positions := source_max_positions(hf_config)) is not None:
+    keys["hf_max_position_embeddings"] = positions
   target = os.path.join(checkpointing.checkpoint_dir(config), "0")
   if os.path.exists(target):
     raise ConfigError(f"{target} already exists; choose another run_name (an existing checkpoint is never overwritten)")
   tensors = HFTensors(folder)
   tensors.tower = families.text_tower(hf_config)  # a multimodal checkpoint's text model: its tensors' stored names
+  tensors.allow_non_finite = config.hf_allow_non_finite_weights
   tokenizer = find_tokenizer(folder)
+  if tokenizer:
+    check_tokenizer(folder, tokenizer, keys["vocab_size"])
 
   with staged(target) as staging:
     yml = os.path.join(staging, MODEL_YML)
@@ -174,6 +265,7 @@ def convert(config: Config, argv: list[str]) -> str:
       f.write(f"# Imported from {os.path.abspath(folder)} by convert_hf_checkpoint.py.\n")
       yaml.safe_dump(keys, f, sort_keys=False)
     model_config = cli.load_config([*argv[1:], f"model_name={yml}"])
+    check_layer_count(model_config, tensors)
     plan = Plan(model_config, tensors, state.abstract_params(model_config))
 
     from tqdm import tqdm
@@ -188,9 +280,11 @@ def convert(config: Config, argv: list[str]) -> str:
 
   items = os.path.join(target, checkpointing.ITEM)
   use = f"model_name={os.path.join(target, MODEL_YML)} load_parameters_path={items}"
+  copied = ""
   if tokenizer:
     use += f" tokenizer_type={tokenizer[0]} tokenizer_path={os.path.join(target, os.path.basename(tokenizer[1][0]))}"
-  print(f"Wrote {items}\nUse it with: {use}", flush=True)
+    copied = f"\nCopied beside it, from {os.path.abspath(folder)}: {', '.join(os.path.basename(n) for n in tokenizer[1])}"
+  print(f"Wrote {items}{copied}\nUse it with: {use}", flush=True)
   return items
 
 

@@ -5,6 +5,24 @@ import contextlib
 import os
 import shutil
 
+# The files a Hugging Face tokenizer keeps beside its tokenizer.json (or tokenizer.model), copied with it by the import
+# and the export: what transformers' AutoTokenizer and GenerationConfig read besides it (special tokens, the chat
+# template, where generation stops), so that a folder's tokenizer is the whole tokenizer, and input_pipeline/sft.py
+# finds the model's own chat template beside it.
+TOKENIZER_COMPANIONS = (
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "chat_template.jinja",
+  "chat_template.json",
+  "generation_config.json",
+)
+
+
+def tokenizer_companions(folder: str) -> list[str]:
+  """The TOKENIZER_COMPANIONS that are files in `folder`."""
+  return [name for name in TOKENIZER_COMPANIONS if os.path.isfile(os.path.join(folder, name))]
+
 
 def get(tree: dict, dotted: str):
   for key in dotted.split("."):

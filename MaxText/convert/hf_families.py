@@ -14,6 +14,8 @@ permutation of the query and key rows is needed.
 """
 
 import dataclasses
+import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +29,194 @@ TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 def unsupported(what: str) -> ConfigError:
   return ConfigError(f"config.json: {what}")
+
+
+# ------------------------------------------------------------------------------------- config.json's fields
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """What a config.json field must hold: `what` says it in the error, `accepts` checks a value; `nullable`: null
+  is allowed too (the families read it as absent)."""
+
+  what: str
+  accepts: Callable[[Any], bool]
+  nullable: bool = True
+
+  def required(self) -> "Kind":
+    """The same kind without null: a family reads the field's value itself (float(...), range(...))."""
+    return dataclasses.replace(self, nullable=False)
+
+
+def _integer(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _number(v) -> bool:
+  """A JSON number within float32's range, where the model computes with it (Python's json reads NaN and Infinity,
+  and 1e999 as infinity; 1e308 would be one in float32)."""
+  return (_integer(v) or (isinstance(v, float) and math.isfinite(v))) and abs(v) <= FLOAT32_MAX
+
+
+# Sizes and counts below 2**31 (what an int32 index reaches); no model has more layers, heads or experts than 2**16.
+SIZE = Kind("a positive integer below 2**31", lambda v: _integer(v) and 0 < v < 2**31)
+MANY = Kind("a positive integer up to 65536", lambda v: _integer(v) and 0 < v <= 2**16)
+COUNT = Kind("an integer from 0 below 2**31", lambda v: _integer(v) and 0 <= v < 2**31)
+NUMBER = Kind("a finite number (float32's range)", _number)
+POSITIVE = Kind("a positive finite number (float32's range)", lambda v: _number(v) and v > 0)
+# true or false; an integer reads as its truth, as transformers 4.x read Llama 4 Scout's published
+# "attn_temperature_tuning": 4. A string ("false") is refused: bool("false") would be true.
+FLAG = Kind("true or false", lambda v: isinstance(v, bool) or _integer(v))
+TEXT = Kind("a string", lambda v: isinstance(v, str))
+TEXTS = Kind("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+INDICES = Kind("a list of integers from 0", lambda v: isinstance(v, list) and all(COUNT.accepts(x) for x in v))
+OBJECT = Kind("an object", lambda v: isinstance(v, dict))
+
+# Every field of a config.json (its top level, or a multimodal one's text_config) that a family reads, with what it
+# must hold; a field left out here is read by no family. required(): some family uses the value as it is, so null is
+# refused. Checked before any family reads config.json (check_fields), so a wrong type is one line naming the field,
+# never a TypeError in a family's read; tests/import_fuzz_test.py mutates every field of every family's examples.
+FIELDS: dict[str, Kind] = {
+  "model_type": TEXT,
+  "architectures": TEXTS,
+  "quantization_config": OBJECT,
+  "text_config": OBJECT,
+  # Llama's, and most families'
+  "hidden_size": SIZE.required(),
+  "num_attention_heads": MANY.required(),
+  "num_key_value_heads": MANY,
+  "intermediate_size": SIZE.required(),
+  "num_hidden_layers": MANY.required(),
+  "head_dim": SIZE,
+  "vocab_size": SIZE.required(),
+  "rms_norm_eps": POSITIVE.required(),
+  "tie_word_embeddings": FLAG,
+  "attention_bias": FLAG,
+  "mlp_bias": FLAG,
+  "hidden_act": TEXT,
+  "hidden_activation": TEXT,
+  "max_position_embeddings": SIZE.required(),
+  "rope_theta": POSITIVE.required(),
+  "rope_scaling": OBJECT,
+  "rope_parameters": OBJECT,
+  "layer_types": TEXTS,
+  "use_sliding_window": FLAG,
+  "sliding_window": COUNT,
+  # Gemma 2 and 3
+  "attn_logit_softcapping": NUMBER,
+  "final_logit_softcapping": NUMBER,
+  "query_pre_attn_scalar": POSITIVE.required(),
+  "sliding_window_pattern": SIZE,
+  "use_bidirectional_attention": FLAG,
+  "rope_local_base_freq": POSITIVE.required(),
+  # mixtures of experts
+  "num_local_experts": MANY.required(),
+  "num_experts": MANY,
+  "num_experts_per_tok": MANY.required(),
+  "moe_intermediate_size": SIZE.required(),
+  "norm_topk_prob": FLAG,
+  "decoder_sparse_step": COUNT,
+  "mlp_only_layers": INDICES,
+  "router_jitter_noise": NUMBER,
+  # gpt-oss
+  "swiglu_alpha": NUMBER,
+  "swiglu_limit": NUMBER,
+  # Llama 4
+  "intermediate_size_mlp": SIZE.required(),
+  "interleave_moe_layer_step": MANY.required(),
+  "moe_layers": INDICES,
+  "no_rope_layers": INDICES,
+  "no_rope_layer_interval": MANY.required(),
+  "attention_chunk_size": COUNT,
+  "use_qk_norm": FLAG,
+  "attn_temperature_tuning": FLAG,
+  "floor_scale": SIZE.required(),
+  "attn_scale": NUMBER.required(),
+  # GPT-2
+  "n_embd": SIZE.required(),
+  "n_head": MANY.required(),
+  "n_layer": MANY.required(),
+  "n_inner": SIZE,
+  "n_positions": SIZE.required(),
+  "layer_norm_epsilon": POSITIVE.required(),
+  "activation_function": TEXT,
+  "scale_attn_weights": FLAG,
+  "scale_attn_by_inverse_layer_idx": FLAG,
+  # DeepSeek-V3
+  "topk_method": TEXT,
+  "scoring_func": TEXT,
+  "moe_layer_freq": COUNT,
+  "first_k_dense_replace": COUNT.required(),
+  "n_routed_experts": MANY,
+  "n_shared_experts": COUNT,
+  "routed_scaling_factor": POSITIVE.required(),
+  "n_group": MANY,
+  "topk_group": MANY,
+  "q_lora_rank": COUNT,
+  "kv_lora_rank": SIZE.required(),
+  "qk_nope_head_dim": SIZE.required(),
+  "qk_rope_head_dim": SIZE.required(),
+  "v_head_dim": SIZE.required(),
+  "rope_interleave": FLAG,
+}
+
+# The fields of a RoPE object (rope_scaling, rope_parameters, and 5.x's rope_parameters by layer type).
+ROPE_FIELDS: dict[str, Kind] = {
+  "rope_type": TEXT,
+  "type": TEXT,
+  "rope_theta": POSITIVE.required(),
+  "factor": POSITIVE.required(),
+  "low_freq_factor": POSITIVE.required(),
+  "high_freq_factor": POSITIVE.required(),
+  "original_max_position_embeddings": SIZE.required(),
+  "attention_factor": NUMBER,
+  "beta_fast": NUMBER,
+  "beta_slow": NUMBER,
+  "mscale": NUMBER,
+  "mscale_all_dim": NUMBER,
+  "truncate": FLAG,
+  "full_attention": OBJECT,
+  "sliding_attention": OBJECT,
+}
+QUANTIZATION_FIELDS: dict[str, Kind] = {"quant_method": TEXT}
+
+
+def _shown(value) -> str:
+  """A field's value for an error line: a scalar as JSON (cut), a container by its kind alone (it may nest deep)."""
+  if isinstance(value, dict | list):
+    return f"a JSON {'object' if isinstance(value, dict) else 'list'}"
+  text = json.dumps(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check(values: Mapping, fields: Mapping[str, Kind], where: str) -> None:
+  for key, kind in fields.items():
+    if key not in values:
+      continue
+    value = values[key]
+    if value is None and kind.nullable:
+      continue
+    if value is None or not kind.accepts(value):
+      raise unsupported(f"{where}{key} is {_shown(value)}; it must be {kind.what}{' or null' if kind.nullable else ''}")
+
+
+def check_fields(config_json: Mapping) -> None:
+  """ConfigError, naming the field, for a config.json field (FIELDS) holding what no family can read: a string where
+  a number belongs, a list where an object does, NaN, a negative size. Fields no family reads are not looked at."""
+  for where, values in (("", config_json), ("text_config.", config_json.get("text_config"))):
+    if not isinstance(values, Mapping):
+      continue
+    _check(values, FIELDS, where)
+    for key in ("rope_scaling", "rope_parameters"):
+      rope = values.get(key)
+      if isinstance(rope, Mapping):
+        _check(rope, ROPE_FIELDS, f"{where}{key}.")
+        for layer_type in ("full_attention", "sliding_attention"):
+          if isinstance(rope.get(layer_type), Mapping):
+            _check(rope[layer_type], ROPE_FIELDS, f"{where}{key}.{layer_type}.")
+    if isinstance(values.get("quantization_config"), Mapping):
+      _check(values["quantization_config"], QUANTIZATION_FIELDS, f"{where}quantization_config.")
 
 
 # ------------------------------------------------------------------------------------- tensor layout
@@ -311,6 +501,22 @@ def read_rope(hf: Mapping) -> dict:
   return keys
 
 
+def max_positions(cfg: Config) -> int:
+  """config.json's max_position_embeddings: the longest sequence the model is for, which servers (vLLM's
+  max_model_len) and tools read as its limit. An imported model keeps its source's (hf_max_position_embeddings, set
+  in model.yml by the importer: fine-tuning it here on shorter rows takes nothing from what it was made for); a
+  model whose RoPE is scaled (YaRN, Llama 3.1's) serves the length the scaling extends its original one to; any other
+  model made here, the length it was trained at (max_target_length): writing more (8192 for a 256-token model, as
+  the export once did) promises positions it never saw."""
+  if cfg.hf_max_position_embeddings > 0:
+    return cfg.hf_max_position_embeddings
+  if cfg.rope_type == "yarn":
+    return int(cfg.original_max_position_embeddings * cfg.rope_factor)
+  if cfg.rope_type == "llama3.1":
+    return int(cfg.rope_original_max_position * cfg.rope_scaling_factor)
+  return cfg.max_target_length
+
+
 def yarn_scaling(cfg: Config) -> dict:
   """config.json's rope_scaling for rope_type=yarn (our keys under transformers' names)."""
   return {
@@ -470,7 +676,7 @@ def llama_like(  # noqa: PLR0913 (keyword-only family options, each defaulted an
       "rms_norm_eps": cfg.normalization_layer_epsilon,
       **write_rope(cfg),
       "tie_word_embeddings": cfg.logits_via_embedding,
-      "max_position_embeddings": max(cfg.max_target_length, cfg.rope_original_max_position),
+      "max_position_embeddings": max_positions(cfg),
       **({} if qkv_bias else {"attention_bias": False}),  # Qwen 2's config.json has no such key: its biases are fixed
       **act,
       **write(cfg),

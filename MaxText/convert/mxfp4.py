@@ -10,7 +10,9 @@ integrations/mxfp4.py (convert_moe_packed_tensors) gives it to GptOssExperts: ga
 Every result is exact in bfloat16: an E2M1 value has two significant bits, and 2 ** (scale - 127) for scale 0..254
 lies in bfloat16's exponent range (2 ** -127 as a subnormal), so it is computed in float32 and rounded once, with
 nothing to round; only products of 2 ** 128 and more (scales 253 and 254 with the largest values) overflow to
-infinity, in bfloat16 as in float32, and so they do in transformers.
+infinity, in bfloat16 as in float32, and so they do in transformers. The reserved scale 255 is NaN here, as the spec
+says (transformers computes 2 ** 128 from it: infinity, or 0 for a zero value). Neither a NaN nor an infinity is a
+weight: the importer refuses a tensor holding any (convert/streaming.py), unless hf_allow_non_finite_weights.
 """
 
 import numpy as np
@@ -22,6 +24,7 @@ BLOCKS, SCALES = "_blocks", "_scales"
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 SCALE_BIAS = 127
 SCALE_NAN = 255
+DTYPE = "MXFP4"  # how HFTensors lists a pair's dtype (safetensors stores both parts as U8)
 
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:

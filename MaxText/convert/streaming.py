@@ -4,6 +4,11 @@ Peak memory is a few tensors, not the checkpoint: `HFTensors` opens a safetensor
 it reads (the mapping is dropped after each read), and `save_params` hands Orbax `LazyArray`s, whose chunks
 (one layer of a scanned parameter, or a whole tensor) are loaded, converted and written one after another,
 each into its own storage chunk. `.bin` files are never opened: unpickling runs arbitrary code.
+
+What a tensor holds is checked as it is read, while its chunk is in memory: a NaN or an infinity is refused
+(`NonFinite`, naming the tensor and counting them in all of it), unless the importer allows them
+(hf_allow_non_finite_weights); integer and boolean tensors, which no float parameter can be, are refused by the
+importer's plan from their stored dtype, before anything is read.
 """
 
 import dataclasses
@@ -16,6 +21,16 @@ import numpy as np
 
 from MaxText.common_types import ConfigError
 from MaxText.convert import mxfp4
+
+# safetensors' dtypes a float parameter may be stored in (MXFP4 pairs are listed as "MXFP4"); the others (integers,
+# booleans, float8 without a quantization_config) are refused, not cast.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", mxfp4.DTYPE)
+# Rows read at a time when a refused tensor's non-finite values are counted in all of it.
+COUNT_BLOCK_BYTES = 64 * 2**20
+
+
+class NonFinite(ConfigError):
+  """A tensor holds NaN or infinite values (raised while the import streams it)."""
 
 
 class HFTensors:
@@ -39,14 +54,14 @@ class HFTensors:
       raise ConfigError(f"hf_model_path={folder} has no *.safetensors files; give a Hugging Face model folder")
     self.files: dict[str, str] = {}
     self.shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
+    self.dtypes: dict[str, str] = {}  # safetensors' dtype names ("F32", "BF16", "I8", ...); "MXFP4" for a pair
     for path in files:
       try:
         with safe_open(path, "numpy") as f:
           for name in f.keys():
             self.files[name] = path
             self.shapes[name] = tuple(f.get_slice(name).get_shape())
-            dtypes[name] = f.get_slice(name).get_dtype()
+            self.dtypes[name] = f.get_slice(name).get_dtype()
       except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -57,16 +72,19 @@ class HFTensors:
         raise ConfigError(f"{index} lists {missing[0]} (and {len(missing) - 1} more) that no shard holds; re-download")
     # MXFP4 name -> ((file, name) of its blocks, of its scales), which are listed under the name alone.
     self.packed: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
-    for name, parts in mxfp4.packed_pairs(self.shapes, dtypes).items():
+    for name, parts in mxfp4.packed_pairs(self.shapes, self.dtypes).items():
       self.packed[name] = tuple((self.files.pop(part), part) for part in parts)
       self.files[name] = self.packed[name][0][0]
       self.shapes[name] = mxfp4.dequantized_shape(self.shapes[parts[0]])
+      self.dtypes[name] = mxfp4.DTYPE
       for part in parts:
-        del self.shapes[part]
+        del self.shapes[part], self.dtypes[part]
 
   # A multimodal checkpoint's text tower (hf_families.TextTower), set by the importer: the text model's tensors are
   # stored under the tower's names, and the other towers' tensors are not the text model's (text_name).
   tower = None
+  # Set by the importer from hf_allow_non_finite_weights: load() then passes NaN and infinities through.
+  allow_non_finite = False
 
   def resolve(self, name: str) -> str | None:
     """The stored name of the text model's tensor `name`; GPT-2 checkpoints may omit the `transformer.` prefix, and
@@ -84,13 +102,52 @@ class HFTensors:
     return stored if self.tower is None else self.tower.text_name(stored)
 
   def load(self, name: str, rows: slice | None = None) -> np.ndarray:
-    """The tensor `name`, or only its `rows` (a slice of axis 0); an MXFP4 one dequantized (bfloat16)."""
+    """The tensor `name`, or only its `rows` (a slice of axis 0); an MXFP4 one dequantized (bfloat16). NonFinite if it
+    holds a NaN or an infinity (unless allow_non_finite), counted in the whole tensor."""
+    array = self._load(name, rows)
+    if not self.allow_non_finite and non_finite(array):
+      raise self._non_finite(self.resolve(name))
+    return array
+
+  def _load(self, name: str, rows: slice | None = None) -> np.ndarray:
     stored = self.resolve(name)
     if stored not in self.packed:
       return _read(self.files[stored], stored, rows)
     if rows is not None and len(self.shapes[stored]) < 3:  # axis 0 is the blocks' last but one: rows of the whole
-      return self.load(name)[rows]
+      return self._load(name)[rows]
     return mxfp4.dequantize(*(_read(path, part, rows) for path, part in self.packed[stored]))
+
+  def _non_finite(self, stored: str) -> NonFinite:
+    """The error for tensor `stored`, with its non-finite values counted in all of it, a block of rows at a time."""
+    shape = self.shapes[stored]
+    size = int(np.prod(shape))
+    row_bytes = 4 * size // max(shape[0], 1) if shape else 4
+    step = max(1, COUNT_BLOCK_BYTES // max(row_bytes, 1))
+    blocks = [None] if len(shape) == 0 else [slice(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
+    count = sum(non_finite(self._load(stored, rows)) for rows in blocks)
+    fix = "re-download or re-save it, or set hf_allow_non_finite_weights=true to import it as it is"
+    if stored in self.packed:
+      (_, blocks_name), (path, scales_name) = self.packed[stored]
+      nan_scales = int(np.count_nonzero(_read(path, scales_name, None) == mxfp4.SCALE_NAN))
+      return NonFinite(
+        f"hf_model_path: tensor {stored} (MXFP4: {blocks_name}, {scales_name}) dequantizes to {count} NaN or infinite "
+        f"values (of {size}; {nan_scales} scales of {mxfp4.SCALE_NAN}, E8M0's NaN; scales of 253 and 254 overflow with "
+        f"the largest values); the checkpoint is damaged: {fix}"
+      )
+    return NonFinite(
+      f"hf_model_path: tensor {stored} holds {count} NaN or infinite values (of {size}); the checkpoint is damaged: {fix}"
+    )
+
+
+def non_finite(array: np.ndarray) -> int:
+  """How many of a float array's values are NaN or infinite (0 for any other dtype)."""
+  import ml_dtypes
+
+  if array.dtype == ml_dtypes.bfloat16:  # all exponent bits set: NaN or infinity (twice as fast as its isfinite)
+    return int(np.count_nonzero((np.ascontiguousarray(array).view(np.uint16) & 0x7F80) == 0x7F80))
+  if array.dtype.kind not in "fc":
+    return 0
+  return int(array.size - np.count_nonzero(np.isfinite(array)))
 
 
 def _read(path: str, name: str, rows: slice | None) -> np.ndarray:
@@ -109,12 +166,24 @@ class LazyArray:
   dtype: np.dtype
   chunks: list[tuple[tuple, Callable[[], np.ndarray]]]
   checksum: tuple[int, int] = (0, 0)  # integrity's sums over the chunks written so far
+  # Refusals (ConfigError) of chunk loaders, shared by the arrays save_params writes: once one refuses what it read,
+  # the other chunks are written as zeros without reading, and save_params raises it when Orbax is done. (Raised
+  # inside Orbax, it would leave writer threads still writing, after the staging folder is removed, and be logged
+  # with a traceback.)
+  refused: list = dataclasses.field(default_factory=list)
 
   def load(self, index: tuple, load: Callable[[], np.ndarray]) -> np.ndarray:
-    """Loads one chunk, adding it to the checksum."""
+    """Loads one chunk, adding it to the checksum; zeros once a chunk was refused."""
     from MaxText import integrity
 
-    part = np.asarray(load(), dtype=self.dtype)
+    if not self.refused:
+      try:
+        part = np.asarray(load(), dtype=self.dtype)
+      except ConfigError as e:
+        self.refused.append(e)
+    if self.refused:  # the part's shape: an int index drops its axis
+      sizes = [len(range(*x.indices(n))) for x, n in zip(index, self.shape, strict=False) if not isinstance(x, int)]
+      return np.zeros((*sizes, *self.shape[len(index) :]), self.dtype)
     self.checksum = integrity.add(self.checksum, integrity.partial_checksum(part, integrity.positions(self.shape, index)))
     return part
 
@@ -175,8 +244,13 @@ def save_params(path: str, params: dict) -> dict:
   is_lazy = lambda x: isinstance(x, LazyArray)  # noqa: E731
   save_args = jax.tree_util.tree_map(lambda a: a.save_args(), params, is_leaf=is_lazy)
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=False)
+  refused: list[ConfigError] = []  # shared by every array: the first refusal ends the reading
+  for array in jax.tree_util.tree_leaves(params, is_leaf=is_lazy):
+    array.refused = refused
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(path, args=ocp.args.PyTreeSave({"params": params}, save_args={"params": save_args}))
+  if refused:
+    raise refused[0]
   from MaxText import integrity
 
   named = jax.tree_util.tree_leaves_with_path({"params": params}, is_leaf=is_lazy)

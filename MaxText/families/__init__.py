@@ -133,7 +133,9 @@ def text_tower(config_json: Mapping) -> hf_families.TextTower | None:
 
 def model_keys_from_hf(config_json: Mapping) -> dict:
   """Our model keys (decoder_block included) from a Hugging Face config.json, a causal LM's or a multimodal model's
-  (its text model's keys); ConfigError if unsupported."""
+  (its text model's keys); ConfigError if unsupported, or if a field holds what no family reads (one line naming
+  it, before any family reads a field: hf_families.check_fields)."""
+  hf_families.check_fields(config_json)
   family = for_hf_config(config_json)
   hf_families.check_quantization(family.hf, config_json)  # a multimodal checkpoint says it at its top level
   tower = text_tower(config_json)

@@ -9,8 +9,9 @@ Rendering:
                            renders and tokenizes them: the text of special tokens in the rendering ("<|im_end|>",
                            "</s>") becomes those tokens, and add_bos/add_eos are the template's business. The template
                            is `chat_template` (its text), else the file `chat_template_path` (a .jinja file, or a JSON
-                           file with a "chat_template" entry), else the tokenizer's own (chat_template.jinja or
-                           tokenizer_config.json beside tokenizer_path), else FALLBACK_TEMPLATE.
+                           file with a "chat_template" entry), else the tokenizer's own (TEMPLATE_FILES beside
+                           tokenizer_path: chat_template.jinja, chat_template.json or tokenizer_config.json), else
+                           FALLBACK_TEMPLATE. A run prints which, once: "chat template: <source>".
   use_chat_template=false  prompt and completion are plain text: [BOS] prompt completion [EOS].
 
 The mask: with sft_train_on_completion_only=true, the tokens of assistant turns (their end-of-turn token included,
@@ -69,20 +70,47 @@ def check_columns(columns, key: str, use_chat_template: bool) -> tuple[str, ...]
   return columns
 
 
+# Where a tokenizer keeps its chat template, beside its file, in the order looked at: transformers 5 saves
+# chat_template.jinja; a processor's chat_template.json and transformers 4.x's tokenizer_config.json hold it as JSON.
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+# The sources find_template has named in this process: each is said once (a server looks its template up per request).
+_announced: set[str] = set()
+
+
 def find_template(chat_template: str, chat_template_path: str, tokenizer_path: str) -> tuple[str, str]:
-  """(the Jinja template, where it came from) by the precedence in the module docstring; raises ConfigError."""
+  """(the Jinja template, where it came from) by the precedence in the module docstring; raises ConfigError. The
+  first time a source is found in a process, one line on stdout names it ("chat template: ..."), so every run that
+  renders chat (fine-tuning, decode.py, serve.py) says which template it uses."""
   if chat_template:
-    return chat_template, "chat_template"
-  if chat_template_path:
+    found, said = (chat_template, "chat_template"), "the chat_template key's text"
+  elif chat_template_path:
     path = os.path.expanduser(chat_template_path)
     storage.check_file("chat_template_path", path, "give a .jinja file or a tokenizer_config.json")
-    return _read_template(path, "chat_template_path"), path
+    found = _read_template(path, "chat_template_path"), path
+    said = f"{path} (chat_template_path)"
+  elif (own := tokenizer_template(tokenizer_path)) is not None:
+    found, said = own, f"{own[1]} (the tokenizer's)"
+  else:
+    found = FALLBACK_TEMPLATE, "the fallback template (MaxText/input_pipeline/sft.py)"
+    names = " or ".join(TEMPLATE_FILES[:2]) + " or tokenizer_config.json with one"
+    said = f"the fallback template (MaxText/input_pipeline/sft.py): no {names} beside tokenizer_path={tokenizer_path}"
+  if said not in _announced:
+    _announced.add(said)
+    print(f"chat template: {said}", flush=True)
+  return found
+
+
+def tokenizer_template(tokenizer_path: str) -> tuple[str, str] | None:
+  """(the chat template, its file) that the tokenizer keeps beside `tokenizer_path` (TEMPLATE_FILES), or None."""
+  if not tokenizer_path:
+    return None
   folder = os.path.dirname(os.path.expanduser(tokenizer_path))
-  for name in ("chat_template.jinja", "tokenizer_config.json"):
+  for name in TEMPLATE_FILES:
     path = os.path.join(folder, name)
     if os.path.isfile(path) and (template := _read_template(path, None)):
       return template, path
-  return FALLBACK_TEMPLATE, "the fallback template (MaxText/input_pipeline/sft.py)"
+  return None
 
 
 def _read_template(path: str, key: str | None) -> str | None:
@@ -95,10 +123,12 @@ def _read_template(path: str, key: str | None) -> str | None:
     return text
   try:
     template = json.loads(text).get("chat_template")
-  except (ValueError, AttributeError):
+  except (ValueError, AttributeError, RecursionError):
     raise ConfigError(f"{path} is not a JSON object; fix it or give a .jinja file") from None
   if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-    template = {t.get("name"): t.get("template") for t in template}.get("default")
+    template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+  if template is not None and not isinstance(template, str):
+    raise ConfigError(f"{path}: its chat_template is a {type(template).__name__}, not the template's text; fix it")
   if template is None and key:
     raise ConfigError(f"{key}={path} holds no chat_template; give a file that does")
   return template

@@ -105,6 +105,28 @@ def _bin_only(folder):
     f.write(b"not to be unpickled")
 
 
+def _word_tokenizer(folder, size=4, template=None):
+  """A WordLevel tokenizer.json of `size` tokens (<unk>, <s>, </s>, w3, ...) with its tokenizer_config.json, and
+  a chat_template.jinja when given."""
+  from tokenizers import Tokenizer, pre_tokenizers
+  from tokenizers import models as tok_models
+
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, size)}
+  tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+  if template is not None:
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+      f.write(template)
+
+
+def _write(folder, name, data: bytes):
+  with open(os.path.join(folder, name), "wb") as f:
+    f.write(data)
+
+
 BAD = {
   "no_config": (lambda d: os.remove(os.path.join(d, "config.json")), "has no config.json"),
   "unsupported": (lambda d: _edit_config(d, model_type="bert", architectures=["BertModel"]), "model_type='bert'"),
@@ -113,6 +135,31 @@ BAD = {
   "bin_only": (_bin_only, "only .bin"),
   "extra_tensor": (lambda d: _edit_config(d, num_hidden_layers=1), "is not part of"),
   "no_hidden_size": (lambda d: _remove_config_key(d, "hidden_size"), "no 'hidden_size', which a llama model needs"),
+  # A tokenizer the import would copy and print as the one to use must load as runs load it (issue 43).
+  "garbage_tokenizer_json": (
+    lambda d: _write(d, "tokenizer.json", b"not a tokenizer"),
+    "the tokenizer does not load: ",
+  ),
+  "garbage_tokenizer_model": (
+    lambda d: _write(d, "tokenizer.model", b"\n\x05junk"),
+    "tokenizer.model is not a SentencePiece model",
+  ),
+  "unknown_tokenizer_model": (
+    lambda d: _write(d, "tokenizer.model", b"junk"),
+    "tokenizer.model is neither a SentencePiece model nor a tiktoken file",
+  ),
+  "garbage_tokenizer_config": (
+    lambda d: (_word_tokenizer(d), _write(d, "tokenizer_config.json", b"{not json")),
+    "tokenizer_config.json is not a JSON file",
+  ),
+  "tokenizer_bigger_than_the_model": (
+    lambda d: _word_tokenizer(d, size=200),
+    "has 200 tokens but config.json's vocabulary is 128",
+  ),
+  "template_does_not_parse": (
+    lambda d: _word_tokenizer(d, template="{% for message in %}"),
+    "chat_template.jinja: the chat template does not parse",
+  ),
 }
 
 
@@ -146,6 +193,23 @@ def test_import_to_a_bucket_says_how(trained, capsys):
   _, _, hf = trained
   assert _import(hf, "gs://some-bucket/runs") == 2
   assert "import locally, then copy the run folder to the bucket" in capsys.readouterr().err
+
+
+def test_export_without_a_tokenizer_warns_and_writes_the_trained_length(trained, tmp_path, capsys):
+  """Without tokenizer keys (README's old export command) config.json can name no BOS or EOS, so transformers'
+  generate() would never stop: one warning line says so. max_position_embeddings is the length the model was
+  trained at (64), not Llama 3.1's 8192 the export once wrote for any length."""
+  _, items, _ = trained
+  out = tmp_path / "hf"
+  argv = ["export", BASE_YML, "model_name=tiny", f"load_full_state_path={items}", "max_target_length=64"]
+  capsys.readouterr()
+  assert convert_to_hf_checkpoint.main([*argv, f"hf_model_path={out}", "jax_cache_dir="]) == 0
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("warning: no tokenizer_path") and "generate() will not stop" in err[0]
+  written = json.loads((out / "config.json").read_text())
+  assert written["max_position_embeddings"] == 64
+  assert written["bos_token_id"] is None and written["eos_token_id"] is None
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
 def test_export_refuses_a_non_empty_folder(trained, tmp_path, capsys):

@@ -185,9 +185,9 @@ def _edit_config(folder, **changes):
     json.dump(hf | changes, f)
 
 
-def _import(folder, out, run_name="imported") -> int:
+def _import(folder, out, run_name="imported", *extra) -> int:
   argv = ["convert", BASE_YML, f"hf_model_path={folder}", f"base_output_directory={out}", f"run_name={run_name}"]
-  return convert_hf_checkpoint.main([*argv, "jax_cache_dir="])
+  return convert_hf_checkpoint.main([*argv, "jax_cache_dir=", *extra])
 
 
 def _imported_params(out, run_name):
@@ -248,6 +248,50 @@ def test_bad_gpt_oss_checkpoint_exits_2_with_one_line_and_writes_nothing(case, m
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
   assert not out.exists()
+
+
+def _set_block(folder, name, expert, row, scale, byte):
+  """MXFP4 tensor `name`: the first 32-value block of `row` of `expert` gets the E8M0 `scale` and every value the
+  byte's two E2M1 codes."""
+  from safetensors.torch import load_file, save_file
+
+  path = os.path.join(folder, "model.safetensors")
+  tensors = load_file(path)
+  tensors[name + "_scales"][expert, row, 0] = scale
+  tensors[name + "_blocks"][expert, row, 0, :] = byte
+  save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_mxfp4_scales_making_nan_or_infinity_are_refused_naming_the_tensor(mxfp4_folders, tmp_path, capsys):
+  """A scale of 255 is E8M0's NaN (OCP MX v1.0; transformers would compute 2**128 from it); 254 times E2M1's 6
+  (byte 0x77) is 1.5 * 2**129, infinite in bfloat16 as in transformers: 32 values each, refused in one line naming
+  the tensor, its blocks and scales, the count and the NaN scales, nothing written; hf_allow_non_finite_weights
+  imports them. A scale of 254 whose values stay in range (0.5 * 2**127, byte 0x11) is a valid one and imports."""
+  name = EXPERTS + "gate_up_proj"
+  folder = str(tmp_path / "hf")
+  shutil.copytree(mxfp4_folders[0], folder)
+  _set_block(folder, name, expert=1, row=3, scale=255, byte=0x21)
+  _set_block(folder, name, expert=2, row=5, scale=254, byte=0x77)
+  out = tmp_path / "out"
+  capsys.readouterr()
+  assert _import(folder, out) == 2
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.strip() and not line.startswith("tensors:")]
+  assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+  assert (
+    f"tensor {name} (MXFP4: {name}_blocks, {name}_scales) dequantizes to 64 NaN or infinite values (of " in lines[0]
+    and "1 scales of 255, E8M0's NaN" in lines[0]
+  ), lines
+  assert not out.exists()
+  assert _import(folder, out, "imported", "hf_allow_non_finite_weights=true") == 0
+  _, params = _imported_params(out, "imported")
+  wi = np.concatenate([np.asarray(params["layers"]["mlp"][k], np.float32) for k in ("wi_0", "wi_1")])
+  assert np.isnan(wi).sum() == 32 and np.isinf(wi).sum() == 32
+
+  valid = str(tmp_path / "valid")
+  shutil.copytree(mxfp4_folders[0], valid)
+  _set_block(valid, name, expert=2, row=5, scale=254, byte=0x11)
+  assert _import(valid, tmp_path / "valid_out") == 0
 
 
 def test_what_the_format_or_the_layer_cannot_hold_is_refused():

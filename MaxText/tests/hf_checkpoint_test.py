@@ -36,18 +36,18 @@ def test_every_family_with_a_hugging_face_mapping_has_its_examples():
   assert all(family.hf_examples for family in families.FAMILIES.values() if family.hf is not None)
 
 
-def hf_model(name: str):
+def hf_model(name: str, **changes):
   """The random transformers model of example `name` (a family's hf_examples): its model_type's config class with
-  the example's keys, and that model type's causal LM."""
+  the example's keys (and `changes`), and that model type's causal LM."""
   family, example = EXAMPLES[name]
-  cfg = transformers.AutoConfig.for_model(family.hf.model_type, **example.config)
+  cfg = transformers.AutoConfig.for_model(family.hf.model_type, **(dict(example.config) | changes))
   return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def save_random(name: str, folder: str, max_shard_size: str | None = None):
-  """Example `name`'s model with random weights, saved to `folder` in transformers' format."""
+def save_random(name: str, folder: str, max_shard_size: str | None = None, **changes):
+  """Example `name`'s model (with config `changes`) with random weights, saved to `folder` in transformers' format."""
   torch.manual_seed(0)
-  model = hf_model(name).eval()
+  model = hf_model(name, **changes).eval()
   with torch.no_grad():
     for p in model.parameters():  # norms and biases random too, so every tensor's mapping is tested
       p.normal_(0.0, 0.3)
@@ -251,3 +251,171 @@ def test_a_quantized_config_json_is_refused_unless_the_family_dequantizes_it(nam
     assert families.model_keys_from_hf(
       hf | {"quantization_config": {"quant_method": method}}
     ) == families.model_keys_from_hf(hf)
+
+
+# ------------------------------------------------------------------------------------------ tokenizers
+# Qwen's shape of ChatML: a default system turn, each turn closed by <|im_end|>, the generation prompt.
+CHATML = (
+  "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+  "{% endif %}"
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+  "{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHAT_VOCAB = 320  # the byte-level BPE's 256 bytes, ChatML's 3 special tokens and merges
+CONVERSATIONS = [
+  [{"role": "user", "content": "Which book is this verse from? In the beginning God created"}],
+  [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "Who speaks this line? To be, or not to be"},
+    {"role": "assistant", "content": "Hamlet"},
+    {"role": "user", "content": "And this one? 日本語 🙂"},
+  ],
+]
+
+
+def save_chat_tokenizer(folder: str, eos_token: str = "<|im_end|>"):
+  """A byte-level BPE tokenizer of CHAT_VOCAB tokens with ChatML's special tokens and CHATML as its chat template,
+  saved by transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja: transformers 5's files)."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  words = " ".join(m["content"] for c in CONVERSATIONS for m in c) + " system user assistant helpful"
+  trainer = trainers.BpeTrainer(
+    vocab_size=CHAT_VOCAB,
+    special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  tok.train_from_iterator([words] * 20, trainer)
+  hf = transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tok, bos_token="<|endoftext|>", eos_token=eos_token, pad_token="<|endoftext|>"
+  )
+  hf.chat_template = CHATML
+  hf.save_pretrained(folder)
+  return hf
+
+
+@pytest.fixture(scope="module")
+def chat_import(tmp_path_factory):
+  """(a random Qwen 2 folder with the chat tokenizer, as transformers saves both; its import's checkpoint folder,
+  the import's stdout)."""
+  import contextlib
+  import io
+
+  root = tmp_path_factory.mktemp("chat")
+  hf_dir = str(root / "hf")
+  save_random("qwen2", hf_dir, vocab_size=CHAT_VOCAB)
+  save_chat_tokenizer(hf_dir)
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    ckpt = import_hf(hf_dir, str(root / "out"))
+  return hf_dir, ckpt, printed.getvalue()
+
+
+def test_the_import_copies_the_chat_template_and_runs_render_with_it(chat_import, capsys):
+  """transformers 5 keeps the chat template in chat_template.jinja: the import copies it (and generation_config.json)
+  beside tokenizer.json, so the template a run finds there is the model's own, not the fallback, and says so; a
+  conversation rendered by a run's path (decode.py's and serve.py's prompts.chat_tokens) is transformers'
+  apply_chat_template on the source folder, token for token."""
+  from MaxText.inference import prompts
+  from MaxText.input_pipeline import sft
+  from MaxText.input_pipeline import tokenizer as tokenizer_lib
+
+  hf_dir, ckpt, printed = chat_import
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+    with open(os.path.join(hf_dir, name), "rb") as a, open(os.path.join(ckpt, name), "rb") as b:
+      assert a.read() == b.read(), name
+  assert f"tokenizer_type=huggingface tokenizer_path={ckpt}/tokenizer.json" in printed
+  capsys.readouterr()
+  template, where = sft.find_template("", "", os.path.join(ckpt, "tokenizer.json"))
+  assert template == CHATML and where == os.path.join(ckpt, "chat_template.jinja")
+  assert capsys.readouterr().out == f"chat template: {where} (the tokenizer's)\n"
+
+  reference = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  cfg = our_config(ckpt, "tokenizer_type=huggingface", f"tokenizer_path={ckpt}/tokenizer.json", "use_chat_template=true")
+  ours = tokenizer_lib.load(cfg.tokenizer_path, "huggingface")
+  for turns in CONVERSATIONS:
+    want = reference.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert prompts.chat_tokens(cfg, ours, turns) == list(want)
+    assert prompts.chat_tokens(cfg, ours, turns) != sft.render(
+      sft.compile_template(sft.FALLBACK_TEMPLATE), ours, turns, True
+    )
+
+
+def test_the_export_writes_the_tokenizer_and_generate_stops_at_its_eos(chat_import, tmp_path):
+  """Exported with the keys the import printed: config.json has the tokenizer's BOS and EOS ids and the source's
+  max_position_embeddings (128, not 8192), the folder the tokenizer's files with the chat template; transformers
+  loads both, renders chat as the source does, and generate() with no stopping arguments stops at the EOS. (The EOS
+  here is a token the random model's greedy continuation reaches: its 4th.)"""
+  from tokenizers import Tokenizer
+
+  hf_dir, ckpt, _ = chat_import
+  source = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+  prompt = torch.tensor([[5, 40, 77, 120, 9]])
+  with torch.no_grad():
+    free = source.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)[0, 5:]
+  k = next(i for i in range(3, 12) if int(free[i]) not in free[:i].tolist())  # (a random model's 12 differ)
+  eos = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json")).id_to_token(int(free[k]))
+  tok_dir = tmp_path / "tokenizer"
+  save_chat_tokenizer(str(tok_dir), eos_token=eos)
+
+  out = str(tmp_path / "exported")
+  keys = [f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}/items", "run_name=export", "jax_cache_dir="]
+  argv = ["export", BASE_YML, *keys, f"hf_model_path={out}", "tokenizer_type=huggingface"]
+  assert convert_to_hf_checkpoint.main([*argv, f"tokenizer_path={tok_dir}/tokenizer.json"]) == 0
+  written = json.load(open(os.path.join(out, "config.json")))
+  assert written["max_position_embeddings"] == 128
+  assert written["bos_token_id"] == 0 and written["eos_token_id"] == int(free[k])
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    assert os.path.isfile(os.path.join(out, name)), name
+
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  assert tokenizer.eos_token == eos and tokenizer.chat_template == CHATML
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  with torch.no_grad():
+    stopped = model.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)[0, 5:]
+  assert stopped.tolist() == free[: k + 1].tolist()
+
+
+def test_the_export_writes_a_sentencepiece_tokenizer_that_transformers_splits_as_ours(tmp_path):
+  """A model made here with a SentencePiece tokenizer (the quick start's kind) exports with a tokenizer.json that
+  transformers reads into the same tokens as our runs (BOS first, as add_bos puts it), the same text back, BOS and
+  EOS in config.json, and max_position_embeddings the length it was trained at (max_target_length), not 8192."""
+  import sentencepiece as spm
+
+  from MaxText import train_tokenizer
+  from MaxText.input_pipeline import sft
+  from MaxText.input_pipeline import tokenizer as tokenizer_lib
+
+  texts = [f"The {w} of the sea is {n}. Which book? Genesis Hamlet" for n in range(50) for w in ("sun", "moon")]
+  model_file = str(tmp_path / "spm.model")
+  train_tokenizer.train(texts, vocab_size=296, output=model_file)
+  hf_dir = str(tmp_path / "hf")
+  save_random("mistral", hf_dir, vocab_size=300)  # default RoPE (a scaled one serves its scaled length)
+  # Made here: imported, then its model.yml without the source's length, as a model trained here has none.
+  ckpt = import_hf(hf_dir, str(tmp_path / "out"))
+  yml = os.path.join(ckpt, "model.yml")
+  lines = open(yml).read().splitlines()
+  open(yml, "w").write("\n".join(line for line in lines if not line.startswith("hf_max_position_embeddings")))
+  out = str(tmp_path / "exported")
+  keys = [f"model_name={yml}", f"load_parameters_path={ckpt}/items", "run_name=export", "jax_cache_dir="]
+  keys += [f"tokenizer_path={model_file}", "max_target_length=48", f"hf_model_path={out}", "use_chat_template=true"]
+  assert convert_to_hf_checkpoint.main(["export", BASE_YML, *keys]) == 0
+  written = json.load(open(os.path.join(out, "config.json")))
+  sp = spm.SentencePieceProcessor(model_file=model_file)
+  assert written["max_position_embeddings"] == 48
+  assert (written["bos_token_id"], written["eos_token_id"]) == (sp.bos_id(), sp.eos_id()) == (2, 1)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  for text in ["The sun of the sea is 7.", "  Which   book?\nGenesis", "unseen words: Ophelia 日本 🙂", ""]:
+    assert tokenizer(text).input_ids == [sp.bos_id(), *sp.encode(text)], text
+    assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == sp.decode(sp.encode(text)), text
+  # Tuned with use_chat_template on a tokenizer without a template of its own: the fallback, which transformers then
+  # renders as our runs do.
+  assert tokenizer.chat_template == sft.FALLBACK_TEMPLATE
+  ours = tokenizer_lib.load(model_file, "sentencepiece")
+  for turns in CONVERSATIONS:
+    want = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert sft.render(sft.compile_template(sft.FALLBACK_TEMPLATE), ours, turns, True) == list(want)
