@@ -37,9 +37,9 @@ def is_unigram(model_path: str) -> bool:
   return _proto(model_path).trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM
 
 
-def write(folder: str, model_path: str, add_bos: bool, max_length: int) -> list[str]:
-  """Writes tokenizer.json and tokenizer_config.json for the Unigram SentencePiece model at `model_path` into
-  `folder`; returns their names."""
+def build(model_path: str, add_bos: bool):
+  """(a `tokenizers.Tokenizer` that splits text as the Unigram SentencePiece model at `model_path` does, its special
+  tokens {"bos_token": text, ...}); with `add_bos` its post-processor puts BOS first, as our runs do."""
   import tokenizers
   from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 
@@ -69,6 +69,13 @@ def write(folder: str, model_path: str, add_bos: bool, max_length: int) -> list[
     tokenizer.post_processor = processors.TemplateProcessing(
       single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
     )
+  return tokenizer, specials
+
+
+def write(folder: str, model_path: str, add_bos: bool, max_length: int) -> list[str]:
+  """Writes tokenizer.json and tokenizer_config.json for the Unigram SentencePiece model at `model_path` into
+  `folder`; returns their names."""
+  tokenizer, specials = build(model_path, add_bos)
   tokenizer.save(os.path.join(folder, TOKENIZER_JSON))
   settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
   settings |= {"clean_up_tokenization_spaces": False, **specials}

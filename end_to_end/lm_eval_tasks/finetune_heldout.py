@@ -92,41 +92,17 @@ def task_rows(data_dir: str, prefix: str, limit: int | None = None) -> list[dict
 
 def hf_tokenizer(model_path: str, chat_template: str):
   """A transformers tokenizer that splits text as MaxText's SentencePiece tokenizer does (input_pipeline/tokenizer.py:
-  `encode_with_specials`): the same Unigram pieces and scores, SentencePiece's normalization (its precompiled
-  character map, then extra whitespace removed and the dummy prefix "▁" added, each as its normalizer_spec says)
-  applied to each stretch of text between special tokens, and BOS, EOS and pad read as themselves when their text
-  appears (so a rendered chat template's "<s>" is the BOS token). One difference remains: SentencePiece never
+  `encode_with_specials`), the export's conversion (MaxText/convert/spm_tokenizer.py) without BOS added: lm-eval
+  gives it rendered chat templates, whose "<s>" is the BOS token. One difference remains: SentencePiece never
   matches its byte and unknown pieces in text, where tokenizers' Unigram reads the literal text "<0x41>" or "<unk>"
   as that piece, so `check_tokenizer` compares the two on every text a task tokenizes."""
-  import tokenizers
-  from sentencepiece import sentencepiece_model_pb2
-  from tokenizers import Regex, decoders, normalizers, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
 
-  proto = sentencepiece_model_pb2.ModelProto()
-  with open(model_path, "rb") as f:
-    proto.ParseFromString(f.read())
-  trainer, spec = proto.trainer_spec, proto.normalizer_spec
-  if trainer.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+  from MaxText.convert import spm_tokenizer
+
+  if not spm_tokenizer.is_unigram(model_path):
     raise ValueError(f"{model_path} is not a Unigram SentencePiece model; only those are converted here")
-  model = tokenizers.models.Unigram(
-    [(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback
-  )
-  tokenizer = tokenizers.Tokenizer(model)
-  steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
-  if spec.remove_extra_whitespaces:
-    steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip(left=True, right=True)]
-  if spec.add_dummy_prefix:
-    steps.append(normalizers.Prepend(" "))
-  tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-  # No piece holds "▁" but at its start, so splitting before each "▁" leaves SentencePiece's best split unchanged.
-  tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
-  tokenizer.decoder = decoders.Sequence(
-    [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-  )
-  names = {"bos_token": trainer.bos_id, "eos_token": trainer.eos_id, "pad_token": trainer.pad_id}
-  specials = {name: proto.pieces[i].piece for name, i in names.items() if i >= 0}
-  tokenizer.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials.values()])
+  tokenizer, specials = spm_tokenizer.build(model_path, add_bos=False)
   return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=chat_template, **specials)
 
 
