@@ -44,11 +44,15 @@ echo "== the questions, the task data and a Hugging Face copy of the tokenizer (
 python3 MaxText/build_finetune_demo_data.py "$OUT/data" --per_heldout_document "$PER_HELDOUT"
 python3 end_to_end/lm_eval_tasks/finetune_heldout.py prepare "$OUT/data" "$OUT/eval" ${LIMIT[@]+"${LIMIT[@]}"}
 
-# decode.py's settings in finetune_demo.sh: the chat template, prompts up to 128 tokens, 16 generated at most.
+# decode.py's settings in finetune_demo.sh: the chat template, prompts up to 128 tokens, 16 generated at most. The
+# server and decode.py run the same engine, 8 slots in batch-invariant mode: a question's greedy answer is then the
+# same bits whatever else runs beside it (how many lm-eval sends at once, in which order); engines of other slot
+# counts round their matmuls differently and can flip a near-tie (README, Decoding).
 MODEL=(MaxText/configs/demo.yml run_name=eval_demo base_output_directory="$OUT/runs" load_parameters_path="$CKPT"
-  use_chat_template=true max_prefill_predict_length=128 max_target_length=144)
+  use_chat_template=true max_prefill_predict_length=128 max_target_length=144 per_device_batch_size=8
+  decode_batch_invariant=true)
 echo "== serve.py on a free loopback port (8 decode slots)"
-python3 MaxText/serve.py "${MODEL[@]}" server_port=0 per_device_batch_size=8 > "$OUT/serve.log" 2>&1 &
+python3 MaxText/serve.py "${MODEL[@]}" server_port=0 > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2> /dev/null || true' EXIT
 BASE=
@@ -79,7 +83,7 @@ kill "$SERVER"
 wait "$SERVER" 2> /dev/null || true
 
 echo "== decode.py on the same questions (greedy, as finetune_demo.sh)"
-python3 MaxText/decode.py "${MODEL[@]}" decode_prompts_file="$OUT/eval/prompts.txt" per_device_batch_size=64 \
-  decode_sampling_strategy=greedy > "$OUT/decode.txt"
+python3 MaxText/decode.py "${MODEL[@]}" decode_prompts_file="$OUT/eval/prompts.txt" decode_sampling_strategy=greedy \
+  > "$OUT/decode.txt"
 python3 end_to_end/lm_eval_tasks/finetune_heldout.py compare "$OUT/eval" "$OUT/decode.txt" "$OUT/lm_eval"
 echo "wall time: $(($(date +%s) - start)) s"

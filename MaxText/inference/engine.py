@@ -16,8 +16,11 @@ While a streamed request runs (Request.stream), a call runs only the steps that 
 measured per batch shape (the loop's step limit is a traced argument: no new program), so its client gets its
 tokens every few tens of ms instead of in bursts of decode_steps_per_dispatch.
 
-Every request samples with its own settings and its own key (from its seed and the token's index), so its
-tokens depend only on its prompt, settings and seed, never on its neighbours or its slot. The cache layout and
+Every request samples with its own settings and its own key (from its seed and the token's index), so its random
+draws never depend on its neighbours or its slot. Its arithmetic can: a generate call runs a power of two of the
+busy rows and reads the pages the longest reaches, and a matmul's rounding of a row follows the number of rows;
+with decode_batch_invariant every call runs all slots over whole rows, so a request's tokens and logprobs are the
+same bits whatever its neighbours (for a given number of slots). The cache layout and
 the prefix cache are layers/kv_cache.py's and pages.py's. Device state lives in `Slots`; the host keeps one
 `_Row` per busy slot (its pages, the tokens so far, its text decoded after the prompt by detokenize.StopText) and
 a mirror of `Slots` in numpy.
@@ -177,6 +180,12 @@ def check(config: Config) -> None:
   for key in ("pagedattn_tokens_per_page", "prefill_chunk_size", "decode_steps_per_dispatch"):
     if getattr(config, key) < 1:
       raise ConfigError(f"{key}={getattr(config, key)} must be at least 1")
+  if config.decode_batch_invariant and config.enable_prefix_caching:
+    raise ConfigError(
+      "decode_batch_invariant=true with enable_prefix_caching=true: a prompt whose first pages another request "
+      "cached is prefilled by another path (attention to the cache), so its tokens would depend on that request; "
+      "drop one of them"
+    )
   if config.stream_interval_ms < 0:
     raise ConfigError(f"stream_interval_ms={config.stream_interval_ms} is negative; give 0 (off) or a time in ms, e.g. 20")
   if config.pagedattn_num_pages < 0:
@@ -690,7 +699,10 @@ class Engine:
 
   def _pages_read(self, tokens: int) -> int:
     """Pages a generate call reads to reach `tokens` positions: a power of two of them covering at least
-    MIN_READ_TOKENS (fewer shapes to compile; short caches are read whole), at most a row's."""
+    MIN_READ_TOKENS (fewer shapes to compile; short caches are read whole), at most a row's; with
+    decode_batch_invariant always a row's (the attention's reductions then never depend on the longest neighbour)."""
+    if self.config.decode_batch_invariant:
+      return self.pages_per_row
     floor = self._pages_needed(MIN_READ_TOKENS)
     return _power_of_two(max(self._pages_needed(tokens), floor), self.pages_per_row)
 
@@ -810,7 +822,14 @@ class Engine:
 
   def _rows_bucket(self, busy: int) -> int:
     """How many slot rows a generate call runs for `busy` active ones: a power of two (so few sizes compile),
-    a multiple of the ways the batch is split, at most every slot. Idle slots cost nothing this way."""
+    a multiple of the ways the batch is split, at most every slot. Idle slots cost nothing this way.
+
+    With decode_batch_invariant, every slot: XLA's CPU matmuls (at least) round a row's result differently for
+    different numbers of rows (a float32 [1, K] @ [K, N] differs from the same row in an [8, K] one), never for its
+    place among a fixed number of them or for the other rows' values, so a fixed number of rows makes a request's
+    tokens independent of its neighbours (engine_test checks it, bit for bit)."""
+    if self.config.decode_batch_invariant:
+      return self.num_slots
     size = _power_of_two(busy, self.num_slots)
     shards = self._batch_shards
     return min(-(-size // shards) * shards, self.num_slots)

@@ -661,3 +661,39 @@ def test_a_streamed_request_gets_its_tokens_as_they_are_made():
   assert bursts == [1, 1, 12], bursts
   (result,) = _engine(cfg, params, stream_interval_ms=1e-6).generate([dataclasses.replace(request, stream=True)])
   assert result.tokens == want
+
+
+# ------------------------------------------------------------------------------------------ batch invariance
+def _invariance_case(dtype: str, invariant: bool):
+  """A request with logprobs alone in a 4-slot engine, then fifth of five requests there (it waits for a slot and
+  joins three neighbours mid-generation: of other lengths, one sampled, two with logprobs, one without), at
+  default matmul precision in `dtype`: (its two results, the engine)."""
+  cfg = config(*DECODE, "per_device_batch_size=4", f"dtype={dtype}", "matmul_precision=default",
+               f"decode_batch_invariant={str(invariant).lower()}")  # fmt: skip
+  _, params = _params(cfg)
+  engine = _engine(cfg, params)
+  request = engine_lib.Request(_prompts(cfg, [9], seed=5)[0], 20, logprobs=2)
+  alone = engine.generate([request])[0]
+  others = _requests(cfg, shapes=((3, 4), (17, 12), (6, 20), (22, 9)), seed=6)
+  others[1] = dataclasses.replace(others[1], temperature=1.0, seed=3, logprobs=5)
+  others[2] = dataclasses.replace(others[2], logprobs=1)
+  crowded = engine.generate([*others, request])[-1]
+  return alone, crowded, engine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_decoding_gives_a_request_the_same_bits_whatever_its_neighbours(dtype):
+  """decode_batch_invariant: a request's tokens and each token's logprob, bit for bit, are the same alone in the
+  engine and beside neighbours that change how many rows are busy and how far the longest reaches. Without it the
+  generate call runs a power of two of the busy rows and reads the pages the longest neighbour reaches, and on this
+  CPU a float32 row's logits then change in their last bits with the number of rows (the reason for the key)."""
+  alone, crowded, engine = _invariance_case(dtype, invariant=True)
+  assert crowded.tokens == alone.tokens and len(alone.tokens) == 20
+  assert [lp.logprob for lp in crowded.logprobs] == [lp.logprob for lp in alone.logprobs]
+  assert [lp.top for lp in crowded.logprobs] == [lp.top for lp in alone.logprobs]
+  assert {p.shape for p in engine.programs() if p.name == "generate"} == {(4, engine.pages_per_row)}
+
+
+def test_batch_invariance_refuses_the_prefix_cache():
+  with pytest.raises(engine_lib.ConfigError, match="decode_batch_invariant=true with enable_prefix_caching=true"):
+    engine_lib.check(config(*DECODE, "decode_batch_invariant=true", "enable_prefix_caching=true"))
