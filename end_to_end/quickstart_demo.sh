@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The README quick start as a check: trains MaxText/configs/demo.yml on the demo corpus (built by setup.sh),
-# then requires the final eval loss to be at least 40% below ln(vocab_size), plots the loss curves and
-# samples from the trained model with decode.py (greedy).
+# then requires the final eval loss to be at most LIMIT, plots the loss curves and samples from the trained model
+# with decode.py (greedy).
 #   bash end_to_end/quickstart_demo.sh [--quick] [OUTPUT_DIR]       (4 to 7 minutes on 2 CPU cores)
-# --quick (CI, about 15 s): 20 steps and an evaluation over 8 batches; the eval loss must be below 90% of
-# ln(vocab_size) (a model that learnt something), not 60%.
+# --quick (CI, about 90 s): the first 200 of the 600 steps (the same learning-rate schedule, so the same run so
+# far) and one evaluation, whose loss must be at most QUICK_LIMIT.
+# The limits are README's measured losses plus 2%: other CPUs change them from the third or fourth decimal on, while
+# a change that makes the model learn less (a precision, a kernel, a schedule) moves them by more. README's figures:
+# 3.6593 after the 600 steps, 4.2165 after 200 (4.2182 on 2026-11-28).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
@@ -13,9 +16,9 @@ for arg in "$@"; do
   case "$arg" in --quick) QUICK=1 ;; *) ARGS+=("$arg") ;; esac
 done
 OUT=${ARGS[0]:-/tmp/maxtext_quickstart}
-SHORT=() LIMIT=0.6
+SHORT=() LIMIT=3.75
 if [ "$QUICK" = 1 ]; then
-  SHORT=(steps=20 log_period=5 eval_interval=20 eval_steps=8 checkpoint_period=20) LIMIT=0.9
+  SHORT=(steps=200 learning_rate_schedule_steps=600 log_period=50) LIMIT=4.30
 fi
 rm -rf "$OUT"
 start=$(date +%s)
@@ -28,9 +31,9 @@ python3 end_to_end/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/loss.png" --title 
 python3 - "$OUT/metrics.jsonl" "$LIMIT" <<'PY'
 import json, math, sys
 evals = [r for r in map(json.loads, open(sys.argv[1])) if "eval/avg_loss" in r]
-fraction = float(sys.argv[2])
-final, limit = evals[-1]["eval/avg_loss"], fraction * math.log(1024)
-print(f"final eval loss {final:.4f} at step {evals[-1]['step']}; limit {fraction} * ln(1024) = {limit:.4f}")
+final, limit = evals[-1]["eval/avg_loss"], float(sys.argv[2])
+print(f"final eval loss {final:.4f} at step {evals[-1]['step']} ({100 * (1 - final / math.log(1024)):.1f}% below "
+      f"ln(1024), a uniform guess); limit {limit:.4f}")
 sys.exit(0 if final <= limit else 1)
 PY
 echo "== 3. sample from the trained model: the KV-cache decoder on the run's latest checkpoint"
