@@ -179,6 +179,18 @@ class Hung(BaseException):
   """Raised by `deadline` (a BaseException, so no `except Exception` in the code under test swallows it)."""
 
 
+def bounded_exit(command, seconds: int) -> int | str:
+  """command()'s exit code, or what went wrong instead, for a fuzz case to report with the others: "still running
+  after N s" past `seconds` (deadline), or the exception it raised (a traceback is a failure too)."""
+  try:
+    with deadline(seconds):
+      return command()
+  except Hung:
+    return f"still running after {seconds} s"
+  except BaseException as e:  # noqa: BLE001 (a traceback is a failure to report with the others)
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
 @contextlib.contextmanager
 def checkpoint_manager(cfg):
   """checkpointing.create_manager(cfg), its saves finished and closed on exit."""
