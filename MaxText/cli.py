@@ -206,7 +206,7 @@ def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str]:
 
   On CPU with jax >= 0.11, when each device of this process has two or more cores, restricting XLA's
   YNNPACK fusions to dots and reductions ran the core benchmark step 1.6x faster on one device of a 2-core
-  machine (docs/PERFORMANCE.md); with one core per device, and on jax 0.10, XLA's default was fastest.
+  machine (docs/changelog.md); with one core per device, and on jax 0.10, XLA's default was fastest.
   A ynn setting in XLA_FLAGS wins over this one.
   """
   devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]

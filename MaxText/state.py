@@ -153,7 +153,7 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
   )
   rng = jax.random.key(config.init_weights_seed)
   # Init runs once, so on CPU it is compiled at LLVM's cheaper optimisation level: 2.5x faster to compile
-  # (its many random-number kernels), the same bits, a start-up of about 1.7 s less (docs/PERFORMANCE.md).
+  # (its many random-number kernels), the same bits, a start-up of about 1.7 s less (docs/changelog.md).
   platform = next(iter(jax.tree_util.tree_leaves(layout.shardings)[0].device_set)).platform
   options = {"xla_backend_optimization_level": 1} if platform == "cpu" else {}
   return init.lower(rng).compile(options)(rng)

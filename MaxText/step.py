@@ -228,7 +228,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
   The value of optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), targets), with its
   gradient (softmax - one-hot) written by one fused pass in the logits' dtype instead of autodiff's chain of
-  float32 temporaries over [tokens, vocab], the step's largest tensor (measured in docs/PERFORMANCE.md, "Two
+  float32 temporaries over [tokens, vocab], the step's largest tensor (measured in docs/changelog.md, "Two
   simulated CPU devices").
   """
   return _cross_entropy_fwd(logits, targets)[0]

@@ -47,7 +47,7 @@ python3 end_to_end/lm_eval_tasks/finetune_heldout.py prepare "$OUT/data" "$OUT/e
 # decode.py's settings in finetune_demo.sh: the chat template, prompts up to 128 tokens, 16 generated at most. The
 # server and decode.py run the same engine, 8 slots in batch-invariant mode: a question's greedy answer is then the
 # same bits whatever else runs beside it (how many lm-eval sends at once, in which order); engines of other slot
-# counts round their matmuls differently and can flip a near-tie (README, Decoding).
+# counts round their matmuls differently and can flip a near-tie (docs/guides/decoding.md).
 MODEL=(MaxText/configs/demo.yml run_name=eval_demo base_output_directory="$OUT/runs" load_parameters_path="$CKPT"
   use_chat_template=true max_prefill_predict_length=128 max_target_length=144 per_device_batch_size=8
   decode_batch_invariant=true)

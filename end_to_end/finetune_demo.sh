@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fine-tuning on the demo corpus, offline: from the quick-start checkpoint (README), supervised fine-tuning (full
+# Fine-tuning on the demo corpus, offline: from the quick-start checkpoint (docs/getting-started/quickstart.md), supervised fine-tuning (full
 # and LoRA) on questions derived from the corpus, then DPO, with exact-match accuracy on held-out questions
 # (documents no stage trained on) before and after each stage.
 #   bash end_to_end/finetune_demo.sh [--quick] [OUTPUT_DIR] [QUICKSTART_RUN_DIR]     (about 20 minutes on 2 CPU cores)
@@ -7,7 +7,7 @@
 # --quick (CI, about 4 min): SFT and LoRA 100 steps each, DPO 4 (a quick start of 20 steps if it must run one), and
 # one held-out question per document (110).
 # Either way the demo fails (exit 1) unless each SFT stage answers at least MIN_SOURCE% of the held-out "Bible or
-# Shakespeare?" questions right: the one thing SFT teaches this model (README: 96-97% after 400 steps; from the CI's
+# Shakespeare?" questions right: the one thing SFT teaches this model (docs/guides/fine-tuning.md: 96-97% after 400 steps; from the CI's
 # 200-step quick start, 100 steps gave 93% and LoRA's 83% on 2026-11-28), where always answering "the Bible" gets
 # 59%; so a change that makes it learn less fails here.
 set -euo pipefail

@@ -3,7 +3,7 @@
     python3 end_to_end/matmul_cpu_microbenchmark.py
 
 [2048, 256] x [256, 32000] in bf16 with float32 accumulation, and in float32: the roofline against which
-the training step's TFLOP/s in docs/PERFORMANCE.md is read.
+the training step's TFLOP/s in docs/changelog.md is read.
 """
 
 import os

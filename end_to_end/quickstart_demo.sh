@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The README quick start as a check: trains MaxText/configs/demo.yml on the demo corpus (built by setup.sh),
+# The quick start (docs/getting-started/quickstart.md) as a check: trains MaxText/configs/demo.yml on the demo corpus (built by setup.sh),
 # then requires the final eval loss to be at most LIMIT, plots the loss curves and samples from the trained model
 # with decode.py (greedy).
 #   bash end_to_end/quickstart_demo.sh [--quick] [OUTPUT_DIR]       (4 to 7 minutes on 2 CPU cores)
 # --quick (CI, about 90 s): the first 200 of the 600 steps (the same learning-rate schedule, so the same run so
 # far) and one evaluation, whose loss must be at most QUICK_LIMIT.
-# The limits are README's measured losses plus 2%: other CPUs change them from the third or fourth decimal on, while
-# a change that makes the model learn less (a precision, a kernel, a schedule) moves them by more. README's figures:
+# The limits are the quick start page's measured losses plus 2%: other CPUs change them from the third or fourth decimal on, while
+# a change that makes the model learn less (a precision, a kernel, a schedule) moves them by more. its figures:
 # 3.6593 after the 600 steps, 4.2165 after 200 (4.2182 on 2026-11-28).
 set -euo pipefail
 cd "$(dirname "$0")/.."

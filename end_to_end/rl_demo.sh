@@ -7,7 +7,7 @@
 # Needs no corpus and no download (the task writes its own character tokenizer). --quick: every stage for a few
 # steps, to check that each still runs; its accuracies mean nothing. --check (CI runs the full demo with it): exit 1
 # unless the start has not collapsed (at least MIN_START% held-out), GRPO raises it by GRPO_GAIN points and GSPO by
-# GSPO_GAIN (GSPO learns more slowly here: the paper's clip range clips most of its second update; README).
+# GSPO_GAIN (GSPO learns more slowly here: the paper's clip range clips most of its second update; docs/guides/rl.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
@@ -85,7 +85,7 @@ accuracy "start" "$START"
 
 # RL from the warm-up, exact match against each problem's answer as the reward: 16 prompts x 8 completions a step (a
 # prompt is at most 7 tokens with BOS, an answer at most 4 and EOS; an update averages twice the groups of 8 prompts,
-# which from this start gained 7.5 points in 400 steps: README), train.py's own greedy evaluation of the held-out
+# which from this start gained 7.5 points in 400 steps: docs/guides/rl.md), train.py's own greedy evaluation of the held-out
 # problems every EVERY steps (the accuracy curve), then decode.py's. GRPO takes one update per batch of rollouts;
 # GSPO (its sequence-level ratio, the paper's clip range 3e-4 / 4e-4) two, so that its ratio and clip act.
 rl() {

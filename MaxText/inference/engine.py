@@ -204,7 +204,7 @@ def params_dtype(config: Config, mesh: jax.sharding.Mesh):
   """The dtype decoding keeps parameters in. On GPU and TPU, the activation dtype when it is narrower than
   weight_dtype: every use casts a parameter to the activation dtype first, so results are the same and each step
   reads half the bytes. On CPU, weight_dtype: XLA hoists the cast out of the generate loop, and its bfloat16 dots
-  ran the generate loop faster from float32 storage (docs/PERFORMANCE.md)."""
+  ran the generate loop faster from float32 storage (docs/changelog.md)."""
   dtype, weight = DTYPES[config.dtype], DTYPES[config.weight_dtype]
   if mesh.devices.flat[0].platform == "cpu":
     return weight

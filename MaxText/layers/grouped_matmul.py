@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-MAX_TILE = 256  # Most rows per tile of the CPU implementation (docs/PERFORMANCE.md, "Mixture of experts").
+MAX_TILE = 256  # Most rows per tile of the CPU implementation (docs/changelog.md, "Mixture of experts").
 
 
 def tile_rows(rows: int, groups: int) -> int:
@@ -102,7 +102,7 @@ def megablox_grouped_matmul(
   sum(group_sizes) undefined (NaN in interpret mode), forward and backward, so with zero_rest those rows are zeroed
   on the way in and out (where the gradient of a select does not carry what it drops). zero_rest=False leaves them
   undefined, for a caller that never reads them and gives zeros there, as moe's exact-size exchange does: each mask
-  is a copy of the rows, 14 GiB per layer at DeepSeek-V3's expert parallelism of 32 (docs/PERFORMANCE.md)."""
+  is a copy of the rows, 14 GiB per layer at DeepSeek-V3's expert parallelism of 32 (docs/changelog.md)."""
   from jax.experimental.pallas.ops.tpu import megablox
 
   rows, k = x.shape

@@ -113,9 +113,10 @@ def test_every_family_has_its_own_hugging_face_model_type():
 
 
 def test_readme_table_is_the_registry_s():
-  """The families table in README.md is summary_table()'s output, whole: a registered family missing from it, or a
-  row that is not the registry's, fails (README's "Adding a model family" says to paste the new row)."""
-  readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+  """The families table of the Model families guide (docs/guides/models.md) is summary_table()'s output, whole: a
+  registered family missing from it, or a row that is not the registry's, fails (the guide's "Adding a model family"
+  says to paste the new row)."""
+  readme = open(os.path.join(REPO_ROOT, "docs", "guides", "models.md"), encoding="utf-8").read()
   assert families.summary_table() in readme
 
 

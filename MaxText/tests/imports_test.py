@@ -132,9 +132,9 @@ def test_layers_know_nothing_of_families_or_conversion():
     assert not _reachable(graph, module) & above, f"{module} reaches {_reachable(graph, module) & above}"
 
 
-def test_the_order_readme_gives():
-  """README's Architecture: the owners of valid values -> pyconfig -> state, checkpointing, inference.engine ->
-  cli -> step -> the scripts; none of them reaches a module after it."""
+def test_the_order_the_architecture_page_gives():
+  """docs/explanations/architecture.md: the owners of valid values -> pyconfig -> state, checkpointing,
+  inference.engine -> cli -> step -> the scripts; none of them reaches a module after it."""
   graph = _graph()
   order = [
     {"MaxText.optimizers", "MaxText.metrics", "MaxText.lora", "MaxText.input_pipeline", "MaxText.inference.sampling"},

@@ -386,7 +386,7 @@ def test_a_small_deepseek_compiles_with_splash_attention_megablox_and_expert_par
 @needs_libtpu
 def test_mixtral_8x7b_fits_a_v5p_64_with_expert_parallelism(capsys):
   """The published Mixtral 8x7B (46.7B parameters), 4096-token rows, experts over ici_expert_parallelism=8 and
-  FSDP over the other 4 of 32 v5p chips: it compiles and fits (figures in docs/PERFORMANCE.md)."""
+  FSDP over the other 4 of 32 v5p chips: it compiles and fits (figures in docs/changelog.md)."""
   argv = ["train_compile.py", BASE_YML, "model_name=mixtral-8x7b", "compile_topology=v5p-64", "ici_expert_parallelism=8"]
   argv += ["ici_fsdp_parallelism=-1", "per_device_batch_size=4", "max_target_length=4096", "attention=flash"]
   argv += ["remat_policy=full", "dataset_type=synthetic", "reuse_example_batch=1", "run_name=compile", "jax_cache_dir="]
