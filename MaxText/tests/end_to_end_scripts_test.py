@@ -1,12 +1,11 @@
-"""Every end_to_end/ script README.md links runs here in its short mode (`--quick` or a steps-like knob), and its
-output is checked, so none of them can rot unseen.
+"""Every end_to_end/ script that README.md or a page of the documentation site (docs/) names runs here in its short
+mode (`--quick` or a steps-like knob), and its output is checked, so none of them can rot unseen.
 
-The scripts are found in README.md itself: a newly linked script must get a short mode and a case in SHORT_MODES,
-or a line in NOT_HERE saying why it cannot run on a CI machine. Each check reads figures the script printed and
+The scripts are found in README.md and the pages themselves: a newly named script must get a short mode and a case in
+SHORT_MODES, or a line in NOT_HERE saying why it cannot run on a CI machine. Each check reads figures the script printed and
 compares them with what they must be (exp(loss) against the printed perplexity, the printed difference against
-the printed losses, the accuracy counts against the held-out files), not just its exit code. All short modes
-together took 1 min 51 s on 2 CPU cores (the whole file, 2026-11-26, load average about 2 from other work;
-each case's time is in its docstring).
+the printed losses, the accuracy counts against the held-out files), not just its exit code. Each case's time is in
+its docstring; the demos' learning checks take most of the file's.
 """
 
 import importlib.util
@@ -15,6 +14,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import struct
 import subprocess
 import sys
@@ -34,13 +34,26 @@ NOT_HERE = {
   "one-node cluster on loopback",
   "end_to_end/slurm_loopback.sh": "needs Debian's slurm-wlm and munge (apt-get) and root, which CI does not install "
   "(it runs in about 60 s where they are)",
+  "end_to_end/gpu/llama2_7b_1node.sh": "needs a node of NVIDIA GPUs",
+  "end_to_end/gpu/gpu_check.py": "needs a GPU for its figures; its short mode (--quick, on the CPU) and its no-GPU skip "
+  "run in MaxText/tests/gpu_check_test.py",
 }
 
 
+def documentation_files() -> list[str]:
+  """README.md and every Markdown page under docs/ (the documentation site's pages)."""
+  pages = [os.path.join(REPO_ROOT, "README.md")]
+  for folder, _, files in os.walk(os.path.join(REPO_ROOT, "docs")):
+    pages += [os.path.join(folder, name) for name in sorted(files) if name.endswith(".md")]
+  return pages
+
+
 def linked_scripts() -> set[str]:
-  """The files under end_to_end/ that README.md names (folders such as end_to_end/gpu/ aside)."""
-  with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
-    names = set(re.findall(r"end_to_end/[\w./-]*[\w]", f.read()))
+  """The files under end_to_end/ that README.md or a docs page names (folders such as end_to_end/gpu/ aside)."""
+  names = set()
+  for path in documentation_files():
+    with open(path, encoding="utf-8") as f:
+      names |= set(re.findall(r"end_to_end/[\w./-]*[\w]", f.read()))
   return {n for n in names if not os.path.isdir(os.path.join(REPO_ROOT, n))}
 
 
@@ -83,13 +96,14 @@ def quickstart(tmp_path_factory):
 
 
 def check_quickstart(request, tmp_path):
-  """The first 200 steps of README's quick start, whose eval loss must stay within 2% of README's (the script's
-  limit): a change that makes the model learn less fails here."""
+  """The first 200 steps of the quick start (README.md, docs/getting-started/quickstart.md), whose eval loss must stay
+  within 2% of the one the quick start page quotes (the script's limit): a change that makes the model learn less
+  fails here."""
   out, text = request.getfixturevalue("quickstart")
   (loss, perplexity, tokens), *_ = numbers(rf"eval after step 199: loss ({NUMBER}), perplexity ({NUMBER}) over (\d+)", text)
   # The perplexity is exp(loss), printed to 2 decimals from the unrounded loss (4 printed decimals: 5e-5 of slack).
   assert abs(math.exp(loss) - perplexity) <= 0.005 + math.exp(loss) * 6e-5, (loss, perplexity)
-  assert tokens > 100_000, tokens  # the whole validation split (README: 202,993 tokens)
+  assert tokens > 100_000, tokens  # the whole validation split (the quick start page: 202,993 tokens)
   with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
     records = [json.loads(line) for line in f]
   evals = [r for r in records if "eval/avg_loss" in r]
@@ -97,7 +111,9 @@ def check_quickstart(request, tmp_path):
   ((final, below, limit),) = numbers(
     rf"final eval loss ({NUMBER}) at step 199 \(({NUMBER})% below ln\(1024\), a uniform guess\); limit ({NUMBER})", text
   )
-  assert limit == 4.30 and final <= limit and final == pytest.approx(loss, abs=1e-4)  # README's 4.2165, plus 2%
+  assert (
+    limit == 4.30 and final <= limit and final == pytest.approx(loss, abs=1e-4)
+  )  # the quick start page's 4.2165, plus 2%
   assert below == pytest.approx(100 * (1 - final / math.log(1024)), abs=0.06)
   train = numbers(rf"completed step: (\d+), .*loss: ({NUMBER})", text)
   assert [int(s) for s, _ in train][-1] == 199
@@ -218,7 +234,7 @@ def check_context_parallel(request, tmp_path):
       losses[strategy] = [r["learning/loss"] for r in map(json.loads, f) if "step" in r]
     assert len(losses[strategy]) == 2 and losses[strategy] == pytest.approx([x for _, x in steps], abs=1e-4)
     assert_finite(*losses[strategy])
-  # The same model and data, attention computed in another order across the devices (README: "equal losses").
+  # The same model and data, attention computed in another order across the devices (the performance pages: "equal losses").
   assert losses["ring"] == pytest.approx(losses["all_gather"], rel=1e-5)
 
 
@@ -390,6 +406,155 @@ def check_quantized_decode_memory(request, tmp_path):
   assert 0 < got["int8w"][0] < got["bf16"][0], got
 
 
+def check_matmul_microbenchmark(request, tmp_path):
+  """matmul_cpu_microbenchmark.py (about 10 s; it has no short mode: ten matmuls of each kind): a bf16 and a float32
+  rate for the output projection's matmul, each from a time the script measured."""
+  text = run_script(["end_to_end/matmul_cpu_microbenchmark.py"])
+  rates = dict(re.findall(rf"^(bf16 x bf16 -> f32|f32 x f32 -> f32): ({NUMBER}) GFLOP/s$", text, re.M))
+  assert set(rates) == {"bf16 x bf16 -> f32", "f32 x f32 -> f32"}, text[-2000:]
+  # 2 x 2048 x 256 x 32000 FLOPs = 33.6 GFLOP per matmul: a rate above 10 TFLOP/s would be a time not measured (no CPU
+  # here reaches it), a rate of 0 a matmul that never ran.
+  assert all(0 < float(r) < 10_000 for r in rates.values()), rates
+
+
+def check_checkpoint_checksum_cost(request, tmp_path):
+  """checkpoint_checksum_cost.py --gib 0.05 --rounds 1 (about 5 s): the medians it prints and the ratios of its last
+  line, recomputed from them."""
+  text = run_script(
+    ["end_to_end/checkpoint_checksum_cost.py", "--gib", "0.05", "--rounds", "1", "--dir", str(tmp_path / "ckpt")]
+  )
+  ((arrays, size),) = numbers(rf"state: (\d+) float32 arrays, ({NUMBER}) GiB", text)
+  # Arrays of 4096 x 4096 float32 (64 MiB) per device: round(0.05 GiB / 64 MiB) = 1, the smallest state it makes.
+  assert arrays == 1 and size == pytest.approx(1 / 16, abs=0.005), text
+  median = {
+    name: float(m)
+    for name, m in re.findall(rf"^ *(record|save with|save without|restore|verify): median ({NUMBER}) s", text, re.M)
+  }
+  assert set(median) == {"record", "save with", "save without", "restore", "verify"} and min(median.values()) > 0, text
+  ((per_gib, save, restore),) = numbers(
+    rf"checksums: ({NUMBER}) s per GiB to compute; save ({NUMBER})x, restore \+ verify ({NUMBER})x", text
+  )
+  # The ratios come from the unrounded medians, printed to 3 decimals (5e-4 s of slack each).
+  assert per_gib == pytest.approx(median["record"] * 16, abs=0.01 + 16 * 5e-4)
+  assert save == pytest.approx(
+    median["save with"] / median["save without"], rel=0.01, abs=0.01 + 5e-4 / median["save without"]
+  )
+  recomputed = (median["restore"] + median["verify"]) / median["restore"]
+  assert restore == pytest.approx(recomputed, rel=0.01, abs=0.01 + 1e-3 / median["restore"])
+
+
+def training_flops_per_token(config: dict[str, str]) -> float:
+  """Model FLOPs per token of a training step of a Llama- or Mixtral-shaped model given as side_by_side.py's key=value
+  strings, from the published count rather than metrics.py's code: a [m, k] x [k, n] matmul costs 2mkn; per token
+  the q, k, v and output projections, the gated MLP (3 matrices; a mixture of experts: the router and top-k experts)
+  and the output projection; per causal sequence of L tokens, 4 x heads x head_dim per (query, key) pair over L^2/2
+  pairs (MaxText's count); training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1)."""
+  emb, heads, kv_heads, head_dim = (
+    int(config[k]) for k in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim")
+  )
+  layers, vocab, length = int(config["base_num_decoder_layers"]), int(config["vocab_size"]), int(config["max_target_length"])
+  experts = int(config.get("num_experts", 0))
+  if experts:
+    mlp = 2 * emb * experts + int(config["num_experts_per_tok"]) * 3 * 2 * emb * int(config["base_moe_mlp_dim"])
+  else:
+    mlp = 3 * 2 * emb * int(config["base_mlp_dim"])
+  projections = 2 * emb * (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim * emb
+  attention = 4 * heads * head_dim * length**2 / 2 / length
+  return 3 * (2 * emb * vocab + layers * (projections + mlp + attention))
+
+
+def check_side_by_side(script: str, config_name: str, tmp_path) -> None:
+  """A side-by-side benchmark's --quick, ours alone (--peer-python names a path where no peer is): one device, 8 steps
+  of 1 x 128 tokens, a cold and a warm compilation cache. Each run's step records (--metrics-file) against the
+  model's FLOPs per token and 128 tokens per step, and the printed table against them: side_by_side.py's tokens/s is
+  the median of steps 5-7's, its time to first step (from launch) holds train.py's start-up."""
+  metrics, peer = tmp_path / "metrics.jsonl", tmp_path / "no_peer" / "bin" / "python"
+  text = run_script([script, "--quick", "--peer-python", str(peer), "--metrics-file", str(metrics)])
+  assert f"peer not installed at {peer}" in text, text[-2000:]
+  rows = re.findall(rf"^(\w+) +(\d+) +(cold|warm) +({NUMBER}) +({NUMBER})$", text, re.M)
+  assert [row[:3] for row in rows] == [("ours", "1", "cold"), ("ours", "1", "warm")], text[-2000:]
+  spec = importlib.util.spec_from_file_location("side_by_side", os.path.join(REPO_ROOT, "end_to_end", "side_by_side.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = dict(a.split("=", 1) for a in getattr(module, config_name)) | {"max_target_length": "128"}  # --quick's
+  per_token = training_flops_per_token(config)
+  runs, records = [], []
+  with open(metrics, encoding="utf-8") as f:
+    for record in map(json.loads, f):  # Each run's step records, then its goodput line.
+      if "goodput" in record:
+        runs, records = [*runs, (records, record["goodput"])], []
+      else:
+        records.append(record)
+  assert len(runs) == 2 and not records, runs
+  for (_, _, _, tokens, first), (steps, goodput) in zip(rows, runs, strict=True):
+    assert [r["step"] for r in steps] == list(range(8)), steps
+    for r in steps:
+      rate = r["perf/per_device_tokens_per_sec"]
+      assert rate * r["perf/step_time_seconds"] == pytest.approx(128, rel=1e-9)  # batch 1 x 128 tokens
+      assert r["perf/per_device_tflops_per_sec"] * 1e12 == pytest.approx(per_token * rate, rel=1e-9)
+    # side_by_side.py reads train.py's rates printed to 1 decimal (0.05 either way) and prints their median x 1 device
+    # to units (0.5 either way).
+    median = statistics.median(r["perf/per_device_tokens_per_sec"] for r in steps[5:])
+    assert abs(float(tokens) - median) <= 0.55, (tokens, median)
+    # From launch to step 0's line, printed to 1 decimal: at least train.py's start-up (train.main to its loop).
+    assert float(first) + 0.05 >= goodput["startup_seconds"] > 0, (first, goodput)
+  # The warm run finds the cold run's compilations in the cache (about 10 s of compiling saved on 2 cores).
+  assert runs[1][1]["startup_seconds"] < runs[0][1]["startup_seconds"], runs
+
+
+def check_benchmark_cpu(request, tmp_path):
+  """benchmark_cpu.py --quick (about 30 s): see check_side_by_side."""
+  check_side_by_side("end_to_end/benchmark_cpu.py", "CORE_CONFIG", tmp_path)
+
+
+def check_benchmark_moe_cpu(request, tmp_path):
+  """benchmark_moe_cpu.py --quick (about 45 s): see check_side_by_side; the tiny Mixtral's FLOPs count the router
+  and the 2 active experts of 8."""
+  check_side_by_side("end_to_end/benchmark_moe_cpu.py", "MOE_CONFIG", tmp_path)
+
+
+def check_checkpoint_overhead(request, tmp_path):
+  """checkpoint_overhead_cpu.py --quick (about 35 s): one round of 6 steps, a save every 3. Each printed figure against
+  the run's own metrics file (--out keeps it): the median step time of the steps after the first, the goodput
+  fraction, wall time and blocking checkpoint time; the saves made against the period, and the medians (of one
+  round) against the round's line."""
+  out = tmp_path / "overhead"
+  text = run_script(["end_to_end/checkpoint_overhead_cpu.py", "--quick", "--out", str(out)])
+  assert numbers(r"a save every (\d+) steps of (\d+)\):", text) == [(3, 6)], text
+  period, steps = 3, 6
+  line = rf"median step ({NUMBER}) s, goodput ({NUMBER})% of ({NUMBER}) s, checkpoints blocking ({NUMBER}) s"
+  medians = rf"step ({NUMBER}) s, goodput ({NUMBER})%, checkpoints blocking ({NUMBER}) s"
+  for name in ("no checkpoints", "async saves", "sync saves"):
+    ((step, percent, wall, blocking),) = numbers(rf"round 0 +{name}: {line}", text)
+    ((median_step, median_percent, median_blocking),) = numbers(rf"(?m)^ +{name}: {medians}$", text)
+    assert (median_step, median_percent, median_blocking) == (step, percent, blocking), text
+    folder = out / f"round0_{name.replace(' ', '_')}"
+    with open(folder / "metrics.jsonl", encoding="utf-8") as f:
+      *records, last = map(json.loads, f)
+    goodput = last["goodput"]
+    assert [r["step"] for r in records] == list(range(steps)), records
+    # train.py prints its median step time (of the steps after the first) to 3 decimals, the rest to 1: the script
+    # prints them again, to as many decimals or more.
+    assert abs(step - statistics.median(r["perf/step_time_seconds"] for r in records[1:])) <= 5e-4 + 1e-9
+    assert abs(percent - 100 * goodput["productive_fraction"]) <= 0.05 + 1e-9
+    assert abs(wall - goodput["wall_seconds"]) <= 0.05 + 1e-9
+    assert abs(blocking - goodput["checkpoint_seconds"]) <= 0.05 + 1e-9
+    # The wall time is the sum of its parts, and the productive part is the steps' share of it (no restart here).
+    parts = ("startup", "step", "data", "checkpoint", "evaluation")
+    assert sum(goodput[f"{p}_seconds"] for p in parts) == pytest.approx(goodput["wall_seconds"], rel=1e-9)
+    assert goodput["productive_fraction"] == pytest.approx(goodput["step_seconds"] / goodput["wall_seconds"], rel=1e-9)
+    # train.py saves every checkpoint_period steps and after the last; nothing without checkpoints.
+    checkpoints = folder / "overhead0" / "checkpoints"
+    saved = sorted(int(p.name) for p in checkpoints.iterdir()) if checkpoints.exists() else []
+    expected = [k for k in range(1, steps + 1) if k % period == 0 or k == steps] if name != "no checkpoints" else []
+    assert saved == expected, (name, saved)
+    # Nothing blocks without saves; a synchronous save of the model and its Adam state (about 250 MB) takes time.
+    if name == "no checkpoints":
+      assert blocking == 0, blocking
+    elif name == "sync saves":
+      assert blocking > 0, blocking
+
+
 SHORT_MODES = {
   "end_to_end/quickstart_demo.sh": check_quickstart,
   "end_to_end/plot_metrics.py": check_plot_metrics,
@@ -405,6 +570,11 @@ SHORT_MODES = {
   "end_to_end/rl_demo.sh": check_rl_demo,
   "end_to_end/quantized_training_demo.sh": check_quantized_training,
   "end_to_end/quantized_decode_memory_tpu.py": check_quantized_decode_memory,
+  "end_to_end/matmul_cpu_microbenchmark.py": check_matmul_microbenchmark,
+  "end_to_end/checkpoint_checksum_cost.py": check_checkpoint_checksum_cost,
+  "end_to_end/benchmark_cpu.py": check_benchmark_cpu,
+  "end_to_end/benchmark_moe_cpu.py": check_benchmark_moe_cpu,
+  "end_to_end/checkpoint_overhead_cpu.py": check_checkpoint_overhead,
 }
 
 
@@ -432,10 +602,10 @@ def test_readme_quick_start_plots_the_metrics_file_it_writes():
 
 
 def readme_serving_commands() -> tuple[list[str], str]:
-  """(the serve.py commands, the curl command) of README.md's Serving block, continuation lines joined."""
-  with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
-    text = f.read()
-  section = text[text.index("## Serving") :]
+  """(the serve.py commands, the curl command) of the Serving guide's first block (docs/guides/serving.md),
+  continuation lines joined."""
+  with open(os.path.join(REPO_ROOT, "docs", "guides", "serving.md"), encoding="utf-8") as f:
+    section = f.read()
   block = section[section.index("```bash\n") + 8 : section.index("```", section.index("```bash\n") + 8)]
   lines = [line.split("  # ")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
   return [line for line in lines if "MaxText/serve.py" in line], next(line for line in lines if line.startswith("curl"))
@@ -443,8 +613,8 @@ def readme_serving_commands() -> tuple[list[str], str]:
 
 @pytest.mark.slow
 def test_readme_serving_commands_serve_the_quick_starts_checkpoint(request):
-  """Each serve.py command of README's Serving block, on the quick start's run (its folder for ~/maxtext_runs, a free
-  port for 8000), answers README's curl request with a completion: the commands a user copies work."""
+  """Each serve.py command of the Serving guide's first block, on the quick start's run (its folder for
+  ~/maxtext_runs, a free port for 8000), answers its curl request with a completion: the commands a user copies work."""
   out, _ = request.getfixturevalue("quickstart")
   commands, curl = readme_serving_commands()
   assert len(commands) == 2, commands
@@ -499,9 +669,11 @@ def test_every_linked_script_has_a_short_mode_or_a_reason():
   linked = linked_scripts()
   assert "end_to_end/quickstart_demo.sh" in linked  # the discovery itself works
   missing = sorted(linked - set(SHORT_MODES) - set(NOT_HERE))
-  assert not missing, f"README.md links {missing}: give each a short mode and a case in SHORT_MODES, or a NOT_HERE reason"
+  assert not missing, (
+    f"README.md or docs/ names {missing}: give each a short mode and a case in SHORT_MODES, or a NOT_HERE reason"
+  )
   stale = sorted((set(SHORT_MODES) | set(NOT_HERE)) - linked)
-  assert not stale, f"{stale} are no longer linked from README.md; drop them here"
+  assert not stale, f"{stale} are no longer named in README.md or docs/; drop them here"
   for name in NOT_HERE:
     assert os.path.isfile(os.path.join(REPO_ROOT, name)), name
 
