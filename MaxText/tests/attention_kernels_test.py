@@ -623,7 +623,7 @@ def test_splash_refuses_sinks_it_does_not_have(monkeypatch):
   assert ak.select(_config(), 256, "tpu") == "flash"
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest simulates 8 CPU devices)")
+@pytest.mark.mesh  # 4 devices
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_splash_under_shard_map(kv_heads):
   """Mesh data=2 x tensor=2 with base.yml's rules: batch split over data, heads over tensor; with one kv head
@@ -639,7 +639,7 @@ def test_splash_under_shard_map(kv_heads):
   _assert_close(_out_and_grads(splash, q, k, v, w, seg, pos), _out_and_grads(_reference(40), q, k, v, w, seg, pos))
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest simulates 8 CPU devices)")
+@pytest.mark.mesh  # 4 devices
 def test_splash_chunks_and_sinks_under_shard_map():
   """As test_splash_under_shard_map, with a chunk (traced) and sinks: each device holds its heads' sinks, and their
   gradient sums over the devices that split the batch."""
@@ -680,10 +680,11 @@ def test_cudnn_call_through_xla(window, chunk):
   np.testing.assert_allclose(cudnn(q, k, v, seg, pos), want, atol=FWD_ATOL, rtol=0)
 
 
-@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="cuDNN fused attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("window", [0, 7])
 def test_cudnn_matches_dot_product_on_gpu(window):
   """bf16 inputs: cuDNN's error against a float32 reference is at most 1.5x dot_product's in bf16 (+1e-3)."""
+  if jax.devices()[0].platform != "gpu":  # asked here, not at import: conftest sets the device count after collection
+    pytest.skip("cuDNN fused attention needs an NVIDIA GPU")
   q, k, v, w, seg, pos = _inputs(2, 256, 4, 2, head_dim=64, docs=(100, 30, 106), dtype=jnp.bfloat16)
   exact = _out_and_grads(_reference(window), *[x.astype(jnp.float32) for x in (q, k, v)], w, seg, pos)
   settings = AttentionSettings(window)

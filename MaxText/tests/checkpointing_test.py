@@ -137,6 +137,7 @@ def test_latest_step_reads_numeric_folders_only(tmp_path):
   assert checkpointing.latest_step(cfg) == 10  # numerically, not by name ("9" > "10")
 
 
+@pytest.mark.mesh
 def test_save_and_resume_round_trip_is_bit_exact(tmp_path, env):
   """Steps 2 and 5 saved; a new manager resumes step 5 with the same params, optimizer state and step, placed
   by the layout; a second save of step 5 (other params) is refused and leaves the stored one as it was."""
@@ -153,6 +154,7 @@ def test_save_and_resume_round_trip_is_bit_exact(tmp_path, env):
   _assert_layout_shardings(start.state, env)
 
 
+@pytest.mark.mesh
 def test_start_rules_first_match_wins(tmp_path, env):
   """Own run's latest checkpoint > load_full_state_path > load_parameters_path > fresh init (module docstring)."""
   full, params, own = env.variant(3), env.variant(7), env.variant(11)
@@ -197,6 +199,7 @@ def test_start_rules_first_match_wins(tmp_path, env):
     assert not np.array_equal(fresh.state.params["logits_dense"]["kernel"], other.params["logits_dense"]["kernel"])
 
 
+@pytest.mark.mesh
 def test_check_compatible_names_the_leaf_in_one_line(env, saved):
   checkpointing.check_compatible(saved, env.layout.abstract)  # the state it was saved from fits
   f32 = jax.ShapeDtypeStruct
@@ -208,6 +211,7 @@ def test_check_compatible_names_the_leaf_in_one_line(env, saved):
   assert "stores params.decoder_norm.scale with shape (32,) but this config needs (48,)" in message
 
 
+@pytest.mark.mesh
 def test_a_shape_mismatch_points_at_the_runs_config_yml_which_loads_back(tmp_path, env):
   """Loading a checkpoint with the wrong model keys names the file that holds the right ones: the run's config.yml
   (written by train.py at each start, a config file that loads back), with no "new run_name" advice for a checkpoint
@@ -231,11 +235,13 @@ def test_a_shape_mismatch_points_at_the_runs_config_yml_which_loads_back(tmp_pat
   assert again.as_dict() == {**cfg.as_dict(), "model_name": "default"}
 
 
+@pytest.mark.mesh
 def test_check_compatible_reads_only_complete_checkpoints(tmp_path, env):
   message = _one_line_error(checkpointing.check_compatible, str(tmp_path), env.layout.abstract)
   assert f"checkpoint {tmp_path} is damaged: its metadata cannot be read" in message
 
 
+@pytest.mark.mesh
 def test_scan_layers_mismatch_says_how_to_convert(tmp_path, env, saved):
   """Stacked layers (scan_layers=true) checked against an unrolled target, and the reverse: one line naming
   scan_layers and the way out (force_unroll=true for the unscanned copy)."""
@@ -258,6 +264,7 @@ def test_scan_layers_mismatch_says_how_to_convert(tmp_path, env, saved):
   assert "run with scan_layers=false" in message
 
 
+@pytest.mark.mesh
 def test_restore_host_params_keeps_the_stored_dtype(tmp_path, env):
   """bfloat16 params restored for a float32 target: host numpy arrays, still bfloat16, the saved bits."""
   params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), env.variant(4).params)
@@ -272,6 +279,7 @@ def test_restore_host_params_keeps_the_stored_dtype(tmp_path, env):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.mesh
 def test_load_params_is_sharded_and_cast(tmp_path, env, saved, dtype):
   """load_params: params_layout's shardings, `dtype`, and the saved values cast by numpy (round to nearest
   even in both, so bit-exact)."""
@@ -373,6 +381,7 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.mesh
 def test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies(tmp_path, env, damage):
   damage_fn, reason = DAMAGE[damage]
   cfg = _cfg(tmp_path, "run_name=r")
@@ -398,6 +407,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies(tmp_path
     assert reason in _one_line_error(checkpointing.load_params, params_only, env.mesh, jnp.float32)
 
 
+@pytest.mark.mesh
 def test_a_bfloat16_checkpoint_is_verified_then_cast_for_a_float32_run(tmp_path, env):
   """A bfloat16 import fine-tuned in float32: restored as stored, verified against its checksums, then cast."""
   params = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), env.variant(3).params)
@@ -410,6 +420,7 @@ def test_a_bfloat16_checkpoint_is_verified_then_cast_for_a_float32_run(tmp_path,
   _assert_layout_shardings(start.state, env)
 
 
+@pytest.mark.mesh
 def test_a_damaged_params_only_checkpoint_is_an_error(tmp_path, env):
   """load_parameters_path (decode.py, fine-tuning) of a params-only checkpoint with a flipped bit: exit 2."""
   items = checkpointing.save_params(str(tmp_path / "params"), env.variant(3).params)
@@ -422,6 +433,7 @@ def test_a_damaged_params_only_checkpoint_is_an_error(tmp_path, env):
   assert "differs" in _one_line_error(checkpointing.restore_host_params, cfg, env.layout.abstract.params)
 
 
+@pytest.mark.mesh
 def test_resume_fails_when_no_checkpoint_verifies(tmp_path, env):
   cfg = _cfg(tmp_path, "run_name=r")
   assert _save(cfg, env.variant(2)) and _save(cfg, env.variant(5))
@@ -433,6 +445,7 @@ def test_resume_fails_when_no_checkpoint_verifies(tmp_path, env):
   assert sorted(os.listdir(checkpointing.checkpoint_dir(cfg))) == ["2", "5"]  # nothing moved: the run stops
 
 
+@pytest.mark.mesh
 def test_a_damaged_data_state_is_skipped_too(tmp_path, env):
   cfg = _cfg(tmp_path, "run_name=r").replace(dataset_type="grain")
   for step in (2, 5):
@@ -449,6 +462,7 @@ def test_a_damaged_data_state_is_skipped_too(tmp_path, env):
   assert "the data iterator's state differs from what was saved" in start.skipped[0]
 
 
+@pytest.mark.mesh
 def test_a_config_mismatch_is_an_error_not_damage(tmp_path, env):
   cfg = _cfg(tmp_path, "run_name=r")
   assert _save(cfg, env.variant(2))
@@ -475,6 +489,7 @@ def _drop_checksums(step_dir: str, from_orbax_metadata: bool = False) -> None:
 
 
 @pytest.mark.parametrize("evidence", ["own metadata", "earlier checkpoint"])
+@pytest.mark.mesh
 def test_a_checkpoint_that_lost_its_checksums_is_damaged(tmp_path, env, evidence):
   """An altered checkpoint whose checksums folder is gone is not restored unverified: resume skips it like a
   mismatch, and as load_parameters_path it is an error. The evidence that it had checksums: Orbax's metadata of
@@ -500,6 +515,7 @@ def test_a_checkpoint_that_lost_its_checksums_is_damaged(tmp_path, env, evidence
   assert "its checksums (checksums/metadata) are missing" in _one_line_error(_start, set_aside, env)
 
 
+@pytest.mark.mesh
 def test_checkpoints_saved_before_checksums_still_load(tmp_path, env):
   """A run older than checksums resumes, unverified as the log says; in a run upgraded since, only its later
   checkpoints have checksums, and the older ones still load when a later one is damaged."""
@@ -522,6 +538,7 @@ def test_checkpoints_saved_before_checksums_still_load(tmp_path, env):
   assert "params.decoder_norm.scale differs from what was saved" in start.skipped[0]
 
 
+@pytest.mark.mesh
 def test_a_truncated_array_file_names_the_array_it_holds(tmp_path, env, monkeypatch):
   """One array data file cut to half its size (a copy cut short): the reason names an array of the state, the
   checkpoint's items folder and the file's new size, and has no Python object's repr in it; the reads Orbax

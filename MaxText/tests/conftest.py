@@ -1,4 +1,9 @@
-"""Every test runs on the CPU with 8 simulated devices, so each parallelism axis is exercised for real.
+"""The tests run on the CPU in tiers, chosen here from their markers: a pytest process whose selected tests include
+one marked `mesh` (it needs several devices: sharding, parallelism, a multi-device engine) gets 8 simulated devices,
+so each parallelism axis is exercised for real; any other process gets one device, on which a unit test compiles
+single-device programs only. `slow` marks the end-to-end tests (processes, scripts, kill -9); the processes that
+tests start get 8 devices through XLA_FLAGS, whatever this process has. `bash unit_test_and_lint.sh` runs the tiers
+in turn.
 
 The tests compile the same small programs in many places and on every run, so this process keeps them in a
 persistent compilation cache of the tests' own (not the user's ~/jax_cache): every run after the first on a
@@ -8,27 +13,66 @@ command-line path in this process nor the processes the tests start use any othe
 
 Under CI (the environment variable CI set, as .ci/run and CI services do), a test skipped because torch,
 transformers or peft cannot be imported fails instead: those are the independent references of the Hugging Face
-parity tests, and `bash setup.sh --dev` installs them on every Python README supports, so such a skip means a
+parity tests, and `bash setup.sh --dev` installs them on every Python the docs support, so such a skip means a
 parity check silently did not run. Other skips (root-only tmpfs tests, no sshd, no GPU) stay skips.
 """
 
+import gc
 import os
 import re
+import time
 
 import pytest
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+MESH_DEVICES = 8  # what a `mesh` test gets, and what the processes the tests start get
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MESH_DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402  (after XLA_FLAGS: the device count is read when jax starts)
+import jax  # noqa: E402  (after XLA_FLAGS, which the processes the tests start inherit)
+from jax._src import lru_cache, xla_bridge  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "maxtext_tests", "jax"))
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "maxtext_tests", "jax")
+CACHE_KEEP_DAYS = 7  # entries unread for longer are deleted when a run starts (programs of code that has changed)
+RECYCLE_BYTES = 4 * 2**30  # past this resident size, a process drops its compiled programs between test files
+
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# A size limit turns on JAX's file lock around every read and write of the cache (lru_cache.LRUCache): the two xdist
-# workers share it, and JAX writes an entry in place, so without the lock a worker could read another's half-written
-# entry, which aborts the process (a CI run did abort so, reading the cache in pipeline_test).
-jax.config.update("jax_compilation_cache_max_size", 16 * 2**30)
+# No size limit: with one, JAX globs and stats the whole folder behind a file lock on every write, which costs more
+# than the cache saves once it holds thousands of entries. Stale entries go by age instead (_prune_cache).
+jax.config.update("jax_compilation_cache_max_size", -1)
+
+
+def _put_atomically(self, key: str, value: bytes) -> None:
+  """JAX's LRUCache.put without eviction, written to a temporary file and renamed: the two xdist workers share the
+  cache, and JAX writes an entry in place, so a worker could read another's half-written entry, which aborts the
+  process (a CI run did abort so, reading the cache in pipeline_test)."""
+  path = self.path / f"{key}-cache"
+  if path.exists():
+    return
+  temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+  temporary.write_bytes(value)
+  os.replace(temporary, path)
+
+
+assert not lru_cache.LRUCache(CACHE_DIR, max_size=-1).eviction_enabled  # the put below assumes no eviction
+lru_cache.LRUCache.put = _put_atomically
+
+
+def _prune_cache(folder: str, keep_days: float) -> None:
+  """Deletes the cache entries not read for `keep_days`, and temporary files a killed run left."""
+  if not os.path.isdir(folder):
+    return
+  oldest = time.time() - keep_days * 86400
+  with os.scandir(folder) as entries:
+    for entry in entries:
+      try:
+        # -atime files and the lock were the size limit's, which is off
+        if entry.name.endswith((".tmp", "-atime", ".lockfile")) or entry.stat().st_atime < oldest:
+          os.unlink(entry.path)
+      except FileNotFoundError:  # the other worker's rename, or its own prune
+        pass
+
 
 # The parity tests' references (pytest.importorskip in hf_checkpoint_test, logit_checker_test, lora_test, moe_test).
 PARITY_REFERENCES = ("torch", "transformers", "peft")
@@ -81,3 +125,38 @@ def pytest_sessionfinish(session, exitstatus):
   the workers' collection skips reach it through pytest_collectreport)."""
   if _SKIPPED_AT_COLLECTION and exitstatus == pytest.ExitCode.OK and not hasattr(session.config, "workerinput"):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config):
+  if not hasattr(config, "workerinput"):  # once per run: in the only process, or in pytest-xdist's controller
+    _prune_cache(CACHE_DIR, CACHE_KEEP_DAYS)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+  """The tier: 8 devices when a selected test is marked `mesh`, else one (after -m and -k deselect, trylast)."""
+  devices = MESH_DEVICES if any(item.get_closest_marker("mesh") for item in items) else 1
+  if xla_bridge.backends_are_initialized():
+    if len(jax.devices()) != devices:
+      raise pytest.UsageError(
+        f"jax started before the tests were collected (a test module uses a device when it is imported), so this "
+        f"process cannot get the {devices} device(s) its tests need: move that work into a test or a fixture"
+      )
+    return
+  jax.config.update("jax_num_cpu_devices", devices)
+
+
+def _resident_bytes() -> int:
+  try:
+    with open("/proc/self/statm", encoding="ascii") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:  # not Linux
+    return 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+  """Between test files, a process past RECYCLE_BYTES drops its compiled programs and traced functions: one process
+  running many files otherwise grows with every program it compiled until XLA aborts it."""
+  if (nextitem is None or nextitem.path != item.path) and _resident_bytes() > RECYCLE_BYTES:
+    jax.clear_caches()
+    gc.collect()

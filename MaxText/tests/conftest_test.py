@@ -1,15 +1,17 @@
-"""conftest.py's rule for CI: a parity test skipped for a missing torch, transformers or peft fails there (in a
-test or a whole module, with or without pytest-xdist); other skips stay skips, and outside CI nothing changes."""
+"""conftest.py's rules. Under CI a parity test skipped for a missing torch, transformers or peft fails (in a test or a
+whole module, with or without pytest-xdist); other skips stay skips, and outside CI nothing changes. A process
+gets 8 devices when it runs a test marked mesh, else one. The compilation cache is written atomically and pruned by
+age."""
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from MaxText.tests import conftest
 from MaxText.tests.helpers import REPO_ROOT
-
-pytestmark = pytest.mark.slow  # Each test starts pytest in a process of its own.
 
 # A parity test, a module skipped whole for its reference, and a skip of another kind. Setting sys.modules[name] to
 # None makes the import fail as it does where the package is not installed.
@@ -49,6 +51,7 @@ def _pytest(tmp_path, ci: str | None, *args) -> subprocess.CompletedProcess:
   return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow  # starts pytest in a process of its own
 def test_under_ci_a_skipped_parity_test_fails_on_two_workers(tmp_path):
   proc = _pytest(tmp_path, "true", "-n", "2")
   out = proc.stdout
@@ -60,8 +63,63 @@ def test_under_ci_a_skipped_parity_test_fails_on_two_workers(tmp_path):
   assert "could not import 'peft'" in out, out
 
 
+@pytest.mark.slow
 def test_outside_ci_the_same_skips_stay_skips(tmp_path):
   for ci in (None, "0", "false"):
     proc = _pytest(tmp_path, ci)
     assert proc.returncode == 0 and "3 skipped" in proc.stdout, proc.stdout + proc.stderr
     assert "parity test modules skipped under CI" not in proc.stdout
+
+
+TIERS = """
+import os
+
+import jax
+import pytest
+
+def seen(name):
+  with open(os.path.join(os.environ["SEEN"], name), "w") as f:
+    f.write(str(len(jax.devices())))
+
+def test_unit():
+  seen("unit")
+
+@pytest.mark.mesh
+def test_mesh():
+  seen("mesh")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_a_process_gets_8_devices_only_when_it_runs_a_mesh_test(tmp_path, workers):
+  (tmp_path / "tiers_test.py").write_text(TIERS)
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "XLA_FLAGS")}
+  for select, want in (("not mesh", {"unit": "1"}), ("mesh", {"mesh": "8"}), ("", {"unit": "8", "mesh": "8"})):
+    env["SEEN"] = str(tmp_path / (select.replace(" ", "_") or "all"))
+    os.makedirs(env["SEEN"])
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, "-m", select]
+    command += ["-p", "MaxText.tests.conftest", "-o", "markers=mesh: needs devices", str(tmp_path / "tiers_test.py")]
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = {}
+    for name in os.listdir(env["SEEN"]):
+      with open(os.path.join(env["SEEN"], name)) as f:
+        got[name] = f.read()
+    assert got == want, (select, proc.stdout)
+
+
+def test_cache_entries_are_renamed_into_place_and_pruned_by_age(tmp_path):
+  cache = conftest.lru_cache.LRUCache(str(tmp_path), max_size=-1)
+  cache.put("fresh", b"program")
+  assert cache.get("fresh") == b"program"
+  assert sorted(os.listdir(tmp_path)) == ["fresh-cache"]  # no temporary file left behind
+  cache.put("fresh", b"another")  # an existing entry stays
+  assert cache.get("fresh") == b"program"
+  cache.put("stale", b"old")
+  for name in ("left.123.tmp", "old-atime", ".lockfile"):
+    (tmp_path / name).write_bytes(b"")
+  long_ago = time.time() - 8 * 86400
+  os.utime(tmp_path / "stale-cache", (long_ago, long_ago))
+  conftest._prune_cache(str(tmp_path), keep_days=7)
+  assert sorted(os.listdir(tmp_path)) == ["fresh-cache"]

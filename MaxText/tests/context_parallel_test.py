@@ -59,6 +59,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("degree,strategy,kernel,balanced,window,cap", CASES)
+@pytest.mark.mesh
 def test_split_attention_equals_the_reference(degree, strategy, kernel, balanced, window, cap):
   """Row 0 packs documents of 10, 15 and 20 tokens then padding; inputs in load-balanced order when balanced."""
   cfg, mesh = _mesh_config(
@@ -82,6 +83,7 @@ def test_split_attention_equals_the_reference(degree, strategy, kernel, balanced
 @pytest.mark.parametrize(
   "axes", [("ici_context_parallelism=4",), ("ici_sequence_parallelism=2", "ici_context_parallelism=2")]
 )
+@pytest.mark.mesh
 def test_pieces_that_are_no_multiple_of_the_blocks(strategy, axes):
   """Length 48 over 4 devices, balanced: each device holds two chunks of 6 tokens, far apart, in blocks of 8 (padded
   at the end of each piece); over one axis or over sequence x context."""
@@ -98,6 +100,7 @@ def test_pieces_that_are_no_multiple_of_the_blocks(strategy, axes):
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.mesh
 def test_split_attention_with_tensor_parallel_heads_and_a_traced_window(strategy):
   """context=4 x tensor=2 with one kv head (repeated to each device's query heads); the window is traced, as in
   Gemma 2's scan over local and global layers."""
@@ -126,6 +129,7 @@ CHUNK_CASES = [
 
 
 @pytest.mark.parametrize("strategy,kernel,balanced,tensor,window,chunk,traced", CHUNK_CASES)
+@pytest.mark.mesh
 def test_split_attention_with_chunks_and_sinks_equals_the_reference(
   strategy, kernel, balanced, tensor, window, chunk, traced
 ):
@@ -185,6 +189,7 @@ SPLASH_CASES = [
 
 
 @pytest.mark.parametrize("degree,strategy,balanced,kv_heads,window,cap,fused", SPLASH_CASES)
+@pytest.mark.mesh
 def test_splash_split_attention_equals_the_reference(degree, strategy, balanced, kv_heads, window, cap, fused):
   """Splash runs (a Pallas kernel in the program) and equals the reference; row 0 packs documents of 100, 30 and
   106 tokens then padding, across the pieces."""
@@ -214,6 +219,7 @@ def test_splash_split_attention_equals_the_reference(degree, strategy, balanced,
 # ring whose window (100) is shorter than the piece (the second tile sees no key of the previous piece); splash
 # leaves such a tile untouched, which must not reach the merge as NaN. all_gather's pieces never have one.
 @pytest.mark.parametrize("strategy,balanced,window", [("ring", True, 0), ("ring", False, 100), ("all_gather", True, 0)])
+@pytest.mark.mesh
 def test_splash_with_pieces_of_two_tiles(strategy, balanced, window):
   cfg, mesh = _mesh_config(
     2,
@@ -236,6 +242,7 @@ def test_splash_with_pieces_of_two_tiles(strategy, balanced, window):
   _assert_close(got, jax.tree_util.tree_map(lambda x: x[:, order], want))
 
 
+@pytest.mark.mesh
 def test_ring_falls_back_to_blockwise_when_splash_backward_changes(monkeypatch):
   """The ring calls splash's private backward by its parameters' names: one whose signature differs (here a jax that
   dropped save_residuals and residual_checkpoint_name) is not called, the ring runs blockwise; all_gather, which does
@@ -261,6 +268,7 @@ def test_ring_falls_back_to_blockwise_when_splash_backward_changes(monkeypatch):
 
 
 @pytest.mark.parametrize("strategy,balanced,chunk,traced", [("all_gather", True, 48, True), ("ring", False, 48, False)])
+@pytest.mark.mesh
 def test_splash_split_attention_with_chunks_sinks_and_tensor_heads(strategy, balanced, chunk, traced):
   """context=4 x tensor=2 (each device holds its heads' sinks), a window of 40 inside Llama 4's chunks of 48 (which
   restart mid-piece with row 0's documents): output and the gradients of q, k, v and the sinks equal the
@@ -289,6 +297,7 @@ def test_splash_split_attention_with_chunks_sinks_and_tensor_heads(strategy, bal
 
 # The ring's case (about 15 s: three whole rings, each with its backward) is slow-marked; all_gather's is its fast sibling.
 @pytest.mark.parametrize("strategy", ["all_gather", pytest.param("ring", marks=pytest.mark.slow)])
+@pytest.mark.mesh
 def test_splash_split_attention_with_a_traced_window(strategy, monkeypatch):
   """A traced window (Gemma 2's scan) switches between splash kernels for 0 and config.sliding_window_size, and runs
   today's blockwise path for any other value: all three equal the reference. lax.switch traces every branch, so the
@@ -318,6 +327,7 @@ def test_splash_split_attention_with_a_traced_window(strategy, monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.mesh
 def test_splash_over_sequence_and_context_axes(strategy):
   """sequence=2 x context=2, balanced: the devices' order along both axes is the order of the queries' block tables
   (all_gather) and of the ring."""
@@ -336,6 +346,7 @@ def test_splash_over_sequence_and_context_axes(strategy):
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.mesh
 def test_pieces_that_do_not_fit_splash_fall_back_to_blockwise(strategy):
   """Pieces of 16 tokens (no multiple of splash's 128 lanes): the blockwise path runs (no Pallas kernel) and equals
   the reference."""
@@ -354,6 +365,7 @@ def test_pieces_that_do_not_fit_splash_fall_back_to_blockwise(strategy):
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
+@pytest.mark.mesh
 def test_reorder_is_the_load_balanced_order_and_its_inverse_undoes_it(degree):
   cfg, mesh = _mesh_config(degree, "ici_tensor_parallelism=2" if degree < 8 else "ici_tensor_parallelism=1")
   x = jnp.arange(4 * LENGTH * 6, dtype=jnp.float32).reshape(4, LENGTH, 6)
@@ -402,6 +414,7 @@ MODELS = {
 
 # DeepSeek's (MLA and experts, 10 s) is slow-marked: the llama ring case is its fast sibling for the ring.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if "deepseek" in n else []) for n in MODELS])
+@pytest.mark.mesh
 def test_model_loss_and_gradients_equal_one_device(name):
   """The summed loss and every gradient of a packed batch; float32 at HIGHEST precision."""
   args = (*MODELS[name], "sa_block_q=8", "sa_block_kv=4", "ici_fsdp_parallelism=-1")

@@ -139,6 +139,7 @@ CONTEXT = {
 
 
 @pytest.mark.parametrize("name", _each_family())
+@pytest.mark.mesh
 def test_context_parallelism_equals_one_device(name, tmp_path):
   """Sequences split over 4 devices (ring, load-balanced): the loss and gradients of one device."""
   model = (*tiny_model(name, tmp_path), *MODEL, *_moe_keys(name))
@@ -146,6 +147,7 @@ def test_context_parallelism_equals_one_device(name, tmp_path):
     _assert_equals_one_device(model, CONTEXT["ring"], rows=2)
 
 
+@pytest.mark.mesh
 def test_context_parallelism_with_all_gather_equals_one_device(tmp_path):
   """QUICK's model with the keys and values gathered from every device (the blockwise kernel on each)."""
   _assert_equals_one_device((*tiny_model(QUICK, tmp_path), *MODEL), CONTEXT["all_gather"], rows=2)
@@ -167,6 +169,7 @@ PIPELINE = ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2")
 
 
 @pytest.mark.parametrize("name", _each_family())
+@pytest.mark.mesh
 def test_pipeline_stages_equal_the_model_without_pipeline(name, tmp_path):
   """2 stages x fsdp 2 (2 microbatches of 2 rows): the loss and gradients of one device without a pipeline."""
   model = _pipeline_model(name, tmp_path)

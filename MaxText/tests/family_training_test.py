@@ -132,6 +132,7 @@ def test_a_run_killed_with_kill_9_resumes_exactly(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", _each_family())
+@pytest.mark.mesh
 def test_sharded_training_equals_one_device(name, tmp_path):
   """3 steps on 8 devices, fsdp 4 x tensor 2 (fsdp 2 x tensor 2 x expert 2 for a mixture of experts), against one
   device with the same global batch of 8 rows: the losses within 1e-5 (relative), and each final parameter within

@@ -85,6 +85,7 @@ def test_experts_with_biases_equal_transformers_on_every_path():
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.mesh
 def test_expert_biases_under_expert_fsdp_and_tensor_parallelism_equal_one_device():
   """8 experts over 2 expert shards x fsdp 2 x tensor 2: each received row takes its own expert's bias, and the
   output projection's bias is added once, not once per moe_mlp shard; outputs and gradients as without a mesh."""

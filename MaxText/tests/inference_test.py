@@ -235,6 +235,7 @@ def test_a_row_decodes_as_if_alone(strategy):
   assert all(len(x) == batched_cfg.max_target_length - batched_cfg.max_prefill_predict_length for x in batched)
 
 
+@pytest.mark.mesh
 def test_sharded_decode_equals_single_device():
   """fsdp=4 x tensor=2 on 8 devices: the paged cache's kv heads are split over tensor (pages and their tokens are
   not split); same tokens and logprobs."""
@@ -335,6 +336,7 @@ def test_microbenchmark_reports_times_and_bandwidth(trained, tmp_path, capsys):
     (("run_name=run", "tokenizer_path={root}/none.model"), "does not exist"),
   ],
 )
+@pytest.mark.mesh
 def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, extra, message):
   root, args = trained
   code, _, err = _run(decode.main, (*args, *(e.format(root=root) for e in extra)), capsys)
@@ -342,6 +344,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, extra, message):
   assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.mesh
 def test_a_prompts_file_that_is_not_utf8_is_one_line(trained, capsys, tmp_path):
   _, args = trained
   prompts = tmp_path / "prompts.txt"
@@ -350,6 +353,7 @@ def test_a_prompts_file_that_is_not_utf8_is_one_line(trained, capsys, tmp_path):
   assert code == 2 and "is not UTF-8 text (byte 3)" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.mesh
 def test_context_parallel_decode_equals_single_device():
   """Sequences split over context=4 x tensor=2 (prefill attends across the pieces): same logits and tokens."""
   one = config(*DECODE, "per_device_batch_size=8")
@@ -365,6 +369,7 @@ def test_context_parallel_decode_equals_single_device():
   assert_sharded_decode_equals_one_device(one, eight, params, _prompts(one, [4, 12, 7, 1, 20, 9, 16, 3]))
 
 
+@pytest.mark.mesh
 def test_pipeline_parallel_layout_decodes_as_single_device():
   """A pipeline-parallel training layout (stage=2 x fsdp=4: the layers' weights split over the stages) decodes
   with the same logits and tokens; decoding itself runs the layers in order."""
@@ -390,6 +395,7 @@ def test_visible_escapes_every_control_character_but_newline():
   assert decode.visible("\x1b]0;title\x07 a\\b\n日本 👨\u200d👩") == "\\x1b]0;title\\x07 a\\b\n日本 👨\u200d👩"
 
 
+@pytest.mark.mesh
 def test_cli_prints_prompts_and_outputs_without_raw_control_characters(trained, capsys, tmp_path):
   """A prompts file with an OSC title sequence, BEL, a bare CR, DEL, C1 and a CRLF line end: every character
   decode.py prints is printable or a newline, and the prompt shows as its escapes (the CRLF's CR is the line end)."""
@@ -409,6 +415,7 @@ def test_cli_prints_prompts_and_outputs_without_raw_control_characters(trained, 
   ]
 
 
+@pytest.mark.mesh
 def test_cli_prints_each_output_after_its_prompt_and_counts_in_words(trained, capsys):
   """decode.py prints the text its output tokens add after its prompt's tokens (decode(prompt + output) past
   decode(prompt), from the engine's tokens run here), and its figures count in words: "1 prompt" (before: "1
@@ -433,6 +440,7 @@ def test_cli_prints_each_output_after_its_prompt_and_counts_in_words(trained, ca
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
+@pytest.mark.mesh
 def test_a_prompts_file_that_is_not_a_regular_file_is_never_opened(trained, capsys, tmp_path, kind):
   from MaxText.tests.helpers import deadline
 

@@ -33,6 +33,7 @@ def test_device_and_numpy_checksums_agree():
   assert integrity.verify(recorded, host) == len(host)
 
 
+@pytest.mark.mesh
 def test_checksum_does_not_depend_on_sharding():
   x = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
   mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[:8])

@@ -169,6 +169,7 @@ def float_cache(demo):
 
 
 @pytest.mark.parametrize("axis", AXES)
+@pytest.mark.mesh
 def test_the_int8_cache_keeps_the_greedy_tokens_and_the_perplexity(demo, float_cache, axis):
   """The demo model's 32 greedy tokens after 16 of each of 32 held-out sequences: the same as the float cache's on
   at least 28 of the 32 prompts (87.5%; measured 32 of 32 for either axis). Its perplexity over the sequences, every
@@ -207,6 +208,7 @@ def test_decode_cli_with_the_int8_cache_prints_the_engines_text(demo):
 
 # ------------------------------------------------------------------------------------------ sharding
 @pytest.mark.parametrize("axis", ["dkv", pytest.param("heads_and_dkv", marks=pytest.mark.slow)])
+@pytest.mark.mesh
 def test_sharded_int8_cache_decodes_as_one_device(axis):
   """fsdp=4 x tensor=2 on 8 devices with the int8 cache: the same tokens and logprobs as one device; the int8
   values' kv heads are split over tensor as the float pool's are, and so are dkv's per-head scales, while

@@ -205,6 +205,7 @@ def test_the_loss_adds_the_weighted_load_balance_loss_averaged_over_layers(famil
   ],
   ids=["ep8", "ep4_fsdp2", "ep2_fsdp2_tp2", "ep2_dp2_fsdp2"],
 )
+@pytest.mark.mesh
 def test_expert_parallel_block_equals_one_device(mesh):
   """The dropless block on 8 devices, experts split over the expert axis (rows exchanged by all-to-all), combined
   with fsdp, tensor and data parallelism: the same outputs and gradients as without a mesh (float32; 1e-5 of
@@ -256,6 +257,7 @@ def test_expert_parallel_degrees_train_alike_and_checkpoints_restore_across_them
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
 
 
+@pytest.mark.mesh
 def test_sharded_training_equals_one_device():
   """fsdp=2 x tensor=2 over 4 devices trains to the same losses (including the load-balancing loss) as one device,
   with gradient accumulation."""
@@ -398,6 +400,7 @@ def test_export_refuses_what_the_hugging_face_format_cannot_hold(family, keys):
     families.hf_mapping(cfg).write_config(cfg)
 
 
+@pytest.mark.mesh
 def test_a_decode_step_under_sequence_and_expert_parallelism_equals_one_device():
   """One token per row (a decode step) cannot split over 2 sequence shards: the block keeps that dimension whole
   on each device instead of failing, and gives the unsharded outputs."""
@@ -445,6 +448,7 @@ def ragged_on_cpu(monkeypatch):
   monkeypatch.setattr(moe, "RAGGED_EXCHANGE_PLATFORMS", ("tpu", "cpu"))
 
 
+@pytest.mark.mesh
 def test_the_emulated_ragged_all_to_all_gives_the_docstrings_example(ragged_on_cpu):
   """The emulation the exact-exchange tests run on the CPU, on the example of jax.lax.ragged_all_to_all's docstring
   (its results are the docstring's), and its gradient: each operand element gets the cotangent of the result
@@ -549,6 +553,7 @@ def _exchanged(exchange, experts, num_experts, ep):
 
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("kind", ["random", "empty", "one_shard"])
+@pytest.mark.mesh
 def test_the_exact_exchange_gives_each_expert_the_rows_the_padded_one_does(ragged_on_cpu, ep, kind):
   """Both exchanges on ep devices (the exact one through the emulated ragged_all_to_all): every row reaches the same
   local expert at the same place among its rows, and its output returns to it (exact: small integers). The exact
@@ -587,6 +592,7 @@ def test_the_exact_exchange_gives_each_expert_the_rows_the_padded_one_does(ragge
   ],
   ids=["ep8", "ep2_fsdp2_tp2", "ep2_fsdp2_tp2_in_rounds"],
 )
+@pytest.mark.mesh
 def test_the_exact_exchange_block_equals_one_device(ragged_on_cpu, monkeypatch, mesh, budget):
   """The dropless block with the exact-size exchange (ragged_all_to_all, emulated on the CPU; its gradient by JAX's
   transpose rule) on 8 devices, in one round and (RECEIVE_BUDGET 1) in rounds of one local expert, rematerialised
@@ -613,6 +619,7 @@ def test_the_exact_exchange_block_equals_one_device(ragged_on_cpu, monkeypatch, 
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
+@pytest.mark.mesh
 def test_expert_biases_under_the_exact_exchange_with_megablox_leave_the_rows_past_the_groups_out(ragged_on_cpu, monkeypatch):
   """gpt-oss's expert biases with the exact-size exchange on 2 expert shards and the TPU's grouped matmul (Pallas
   megablox in interpret mode, which leaves the rows past the groups NaN, forward and backward, since the exchange

@@ -428,6 +428,7 @@ def test_every_optimizer_and_schedule_trains_and_resumes_exactly(keys, tmp_path)
 
 
 @pytest.mark.parametrize("opt_type", ["muon", "adafactor", "adam_pax"])
+@pytest.mark.mesh
 def test_sharded_training_equals_one_device(opt_type):
   """fsdp 2 x tensor 2 on 4 devices trains 3 steps to the losses of one device; the optimizer's per-parameter
   state is sharded as its parameter (Adafactor's factored moments, of other shapes, replicated)."""

@@ -89,6 +89,7 @@ SLOW_CASES = (
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CASES else []) for n in CASES])
+@pytest.mark.mesh
 def test_loss_and_gradients_equal_the_model_without_pipeline(name):
   one = config(*_model_keys(CASES[name]), "per_device_batch_size=8")
   cfg = config(*CASES[name], "per_device_batch_size=1", num_devices=8)
@@ -179,6 +180,7 @@ def test_one_hot_pick_and_put_equal_indexing_with_their_gradients(i):
     np.testing.assert_array_equal(got, jax.grad(lambda a: jnp.sum(jnp.sin(a[i]) * weights[0]))(a))
 
 
+@pytest.mark.mesh
 def test_iterations_checkpointed_in_chunks_give_the_same_loss_and_gradients(monkeypatch):
   """The 9 iterations (2 stages x 2 repeats x 4 microbatches, with Mixtral's sown load-balancing loss)
   rematerialised in 3 chunks of 3 against each iteration's stage its own checkpoint, as iterations_per_checkpoint
@@ -239,6 +241,7 @@ def _circular_tree(natural, cfg):
   return jax.tree_util.tree_map_with_path(leaf, natural)
 
 
+@pytest.mark.mesh
 def test_circular_init_is_the_plain_init_stage_major():
   """Bit for bit: the pipelined run starts from the values a plain run does (so their losses agree)."""
   trees = []
@@ -287,6 +290,7 @@ def test_the_stored_order_of_every_leaf_of_the_stack(args):
   assert_trees_equal(jax.device_get(pipeline.to_natural(cfg, stored)), tree)
 
 
+@pytest.mark.mesh
 def test_checkpoints_move_between_circular_and_plain_layouts(tmp_path):
   """A plain run's checkpoint (random params and optimizer state, distinct in every layer) restores into a
   circular run stage-major; the circular run's next checkpoint restores into the plain run as the same state."""
@@ -331,6 +335,7 @@ def _all_to_alls(cfg) -> int:
   return jitted.lower().compile().as_text().count(" all-to-all(")
 
 
+@pytest.mark.mesh
 def test_the_circular_step_moves_no_weights():
   """The circular step (2 stages x 4 repeats) has the all-to-alls of one repeat (2 stages x 4 layers, the same
   model and mesh): the embedding's, none re-laying out a weight."""

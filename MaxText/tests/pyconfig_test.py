@@ -117,6 +117,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides, key", BAD, ids=[b[0][0][:40] for b in BAD])
+@pytest.mark.mesh
 def test_bad_config_exits_2_with_one_line(overrides, key, tmp_path, capsys):
   """A mistake is one line naming the key and value (the expected text), exit code 2, nothing written."""
   run_name = [] if any(o.startswith("run_name=") for o in overrides) else ["run_name=bad"]

@@ -186,6 +186,7 @@ def test_quantized_training_values_decode_with_the_train_steps_numerics(trained,
   assert np.max(np.abs(got - forward_logprobs(models.Transformer(cfg)))) > 1e-3
 
 
+@pytest.mark.mesh
 def test_sharded_weight_only_decode_equals_one_device(trained):
   """int8w on fsdp=4 x tensor=2: the same tokens and logprobs as one device; each quantized value is split like its
   float weight, and its scale along the output channels only."""
@@ -407,6 +408,7 @@ def test_weight_only_quantizes_the_routed_experts_per_expert_and_output_channel(
   assert np.max(np.abs(np.asarray(got) - np.asarray(plain))) > 1e-3
 
 
+@pytest.mark.mesh
 def test_weight_only_moe_decodes_on_expert_and_tensor_parallel_devices_as_on_one():
   """int8w of every target on an MoE model: 8 devices (expert x tensor) decode the tokens and logprobs of one; the
   experts' int8 values are split like their float kernels."""

@@ -185,6 +185,7 @@ def test_the_first_update_is_on_policy_and_the_second_uses_the_sampler_s_logprob
   assert second["learning/rl_clip_fraction"] > 0  # a clip range of 0.001 holds some
 
 
+@pytest.mark.mesh
 def test_a_sharded_rl_loss_and_its_gradients_equal_one_device(data):
   """rl_loss_fn (GSPO, token-mean, with the KL and ratios off 1) on 8 devices, fsdp 4 x tensor 2, equals one device:
   the loss within 1e-5 (relative), each gradient within 1e-4 of its tensor's largest entry."""
@@ -232,6 +233,7 @@ def one_device_updates():
   ],
   ids=["fsdp", "tensor", "pipeline"],
 )
+@pytest.mark.mesh
 def test_rollouts_and_updates_on_two_devices_equal_one(data, mesh_keys, one_device_updates):
   """The engine runs on the training layout of each parallelism (the pipeline's stages included): the same rollouts
   as one device, token for token, and both updates' metrics (the second off-policy) within float32 rounding."""

@@ -104,6 +104,7 @@ def mesh_and_config():
   return sharding.create_mesh(cfg), cfg
 
 
+@pytest.mark.mesh
 def test_logical_sharding_and_tree_shardings(mesh_and_config):
   mesh, cfg = mesh_and_config
   got = sharding.logical_sharding(("embed", "mlp"), mesh, cfg)
@@ -119,6 +120,7 @@ def test_logical_sharding_and_tree_shardings(mesh_and_config):
   assert shardings["kernel"] == sharding.logical_sharding(("layers", "embed", "vocab"), mesh, cfg)
 
 
+@pytest.mark.mesh
 def test_batch_sharding_splits_rows_and_length(mesh_and_config):
   """[batch, length] inputs: rows over data x fsdp x expert (2 here), length over sequence (2), tensor replicated."""
   mesh, cfg = mesh_and_config
@@ -128,6 +130,7 @@ def test_batch_sharding_splits_rows_and_length(mesh_and_config):
 
 
 @pytest.mark.parametrize("mesh", [("ici_data_parallelism=8", "ici_fsdp_parallelism=1"), ("ici_fsdp_parallelism=8",)])
+@pytest.mark.mesh
 def test_local_rows_on_one_process_are_all_rows(mesh):
   """A batch of 16 rows sharded 8 ways over 8 devices of this one process: the process holds rows 0..16, and those
   rows make the global array, equal to the numpy batch."""
@@ -154,6 +157,7 @@ def test_count_slices():
   assert sharding.count_slices(gpus) == 4
 
 
+@pytest.mark.mesh
 def test_create_mesh_needs_the_configured_device_count():
   cfg = config("ici_fsdp_parallelism=4", num_devices=4)
   with pytest.raises(ConfigError) as e:

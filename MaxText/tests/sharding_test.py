@@ -38,6 +38,7 @@ def single_device_losses():
 
 # The ring (context parallelism's collective-permute) is slow-marked: context_parallel_test's ring case is its sibling.
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=[pytest.mark.slow] if "ring" in m else []) for m in MESHES])
+@pytest.mark.mesh
 def test_losses_do_not_depend_on_the_mesh(mesh, single_device_losses):
   """Three steps of the tiny float32 model: the same global batch gives the same losses (rel 1e-5)."""
   cfg = config(*COMMON, *MESHES[mesh], "per_device_batch_size=1", num_devices=8)
@@ -47,6 +48,7 @@ def test_losses_do_not_depend_on_the_mesh(mesh, single_device_losses):
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5)
 
 
+@pytest.mark.mesh
 def test_params_are_created_sharded():
   """Under fsdp=4 x tensor=2 each device holds 1/8 of a 2-D MLP kernel, never the whole array."""
   from MaxText import optimizers

@@ -44,6 +44,7 @@ def _plain_params(cfg, seeds):
     return [jax.device_get(nn.meta.unbox(init(jax.random.key(seed)))["params"]) for seed in seeds]
 
 
+@pytest.mark.mesh
 def test_state_layout_is_the_created_state(seed0):
   """Every leaf of init_state's state (fsdp=2 x tensor=2) has the shape, dtype and sharding state_layout computed
   abstractly, and the mesh really splits the big arrays (an MLP kernel is held in quarters)."""
@@ -65,6 +66,7 @@ def test_state_layout_is_the_created_state(seed0):
   assert {s.data.shape for s in kernel.addressable_shards} == {(kernel.shape[0], kernel.shape[1] // 2, kernel.shape[2] // 2)}
 
 
+@pytest.mark.mesh
 def test_params_layout_agrees_with_state_layout(seed0):
   layout = seed0.layout
   abstract, shardings = state_lib.params_layout(seed0.model, seed0.cfg, seed0.mesh)
@@ -81,6 +83,7 @@ def test_params_layout_agrees_with_state_layout(seed0):
     assert s == t == a.sharding, name
 
 
+@pytest.mark.mesh
 def test_init_state_is_a_function_of_the_seed(seed0):
   """The sharded init (4 devices, out_shardings, LLVM level 1 on CPU) gives bit for bit the params of a plain
   one-device init with the same seed, for seeds 0 and 1, and a fresh optimizer state; the two seeds differ in
@@ -104,6 +107,7 @@ def test_init_state_is_a_function_of_the_seed(seed0):
       assert np.mean(a != b) > 0.99, name
 
 
+@pytest.mark.mesh
 def test_state_from_params_keeps_them_bit_for_bit(seed0):
   """Arbitrary host params (not an init's): kept exactly, step 0, optimizer state equal to tx.init on the host
   arrays, and every leaf placed with the layout's sharding."""

@@ -325,6 +325,7 @@ def _write_step_file(path, cfg, devices):
     f.write(json.dumps(compiled_step.fingerprint(cfg, mesh)) + "\nno executable")
 
 
+@pytest.mark.mesh
 def test_a_step_file_for_another_step_is_a_config_error_before_any_work(tmp_path):
   path = tmp_path / "step.bin"
   _write_step_file(path, config_of(*TRAIN, num_devices=8), jax.devices())

@@ -50,6 +50,7 @@ def test_cross_entropy_equals_a_float64_reference(dtype):
   np.testing.assert_allclose(np.asarray(grad.astype("float32")), expected_grad, rtol=grad_tol, atol=grad_tol * 1e-2)
 
 
+@pytest.mark.mesh
 def test_gradient_accumulation_equals_one_big_batch():
   """4 micro-batches of 2 rows give the same losses and update as one batch of 8 rows (float32)."""
   common = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "ici_fsdp_parallelism=2")
@@ -361,6 +362,7 @@ def test_profiler_and_tensorboard_outputs(tmp_path):
   assert list(tensorboard.rglob("*.xplane.pb")), "no profiler trace"
 
 
+@pytest.mark.mesh
 def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
   """train.evaluate (jitted, sharded over 2 devices) = float64 mean of unjitted per-batch loss sums."""
   from flax import linen as nn
@@ -434,6 +436,7 @@ def test_a_damaged_checkpoint_is_skipped_and_the_rerun_resumes_from_the_one_befo
     (("per_device_batch_size=1000000",), "the train step (state, batch and activations) needs"),
   ],
 )
+@pytest.mark.mesh
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, args, what):
   """An absurd size is a ConfigError with the figures: the state's size before it is allocated, the compiled step's
   memory analysis before the first file is written (on CPU against the host's RAM, all devices together)."""
@@ -680,6 +683,7 @@ def test_an_output_on_a_full_disk_is_refused_before_anything_is_written(tmp_path
       assert sorted(os.listdir(disk)) == ["filler"] and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.mesh
 def test_data_that_runs_out_saves_and_says_so_in_one_line(tmp_path, capsys):
   """num_epoch=1 over 200 documents cannot feed 1000 steps: the steps done are saved, exit 1 with one line."""
   args = (*_text_data(tmp_path), "num_epoch=1", "steps=1000", "checkpoint_period=500", "enable_checkpointing=true",
