@@ -1,5 +1,6 @@
 """The tests run on the CPU in tiers, chosen here from their markers: a pytest process whose selected tests include
-one marked `mesh` (it needs several devices: sharding, parallelism, a multi-device engine) gets 8 simulated devices,
+one marked `mesh` (it needs several devices: sharding, parallelism, a multi-device engine) or `slow` (end to end)
+gets 8 simulated devices,
 so each parallelism axis is exercised for real; any other process gets one device, on which a unit test compiles
 single-device programs only. `slow` marks the end-to-end tests (processes, scripts, kill -9); the processes that
 tests start get 8 devices through XLA_FLAGS, whatever this process has. `bash unit_test_and_lint.sh` runs the tiers
@@ -134,8 +135,10 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-  """The tier: 8 devices when a selected test is marked `mesh`, else one (after -m and -k deselect, trylast)."""
-  devices = MESH_DEVICES if any(item.get_closest_marker("mesh") for item in items) else 1
+  """The tier: 8 devices when a selected test is marked `mesh` or `slow` (end to end, as a user runs it), else one
+  (after -m and -k deselect: trylast)."""
+  wants_mesh = any(item.get_closest_marker("mesh") or item.get_closest_marker("slow") for item in items)
+  devices = MESH_DEVICES if wants_mesh else 1
   if xla_bridge.backends_are_initialized():
     if len(jax.devices()) != devices:
       raise pytest.UsageError(

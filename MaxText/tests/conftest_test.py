@@ -87,19 +87,26 @@ def test_unit():
 @pytest.mark.mesh
 def test_mesh():
   seen("mesh")
+
+@pytest.mark.slow
+def test_end_to_end():
+  seen("slow")
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]])
-def test_a_process_gets_8_devices_only_when_it_runs_a_mesh_test(tmp_path, workers):
+def test_a_process_gets_8_devices_only_when_it_runs_a_mesh_or_slow_test(tmp_path, workers):
   (tmp_path / "tiers_test.py").write_text(TIERS)
   env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "XLA_FLAGS")}
-  for select, want in (("not mesh", {"unit": "1"}), ("mesh", {"mesh": "8"}), ("", {"unit": "8", "mesh": "8"})):
+  tiers = {"not mesh and not slow": {"unit": "1"}, "mesh": {"mesh": "8"}, "slow": {"slow": "8"}}
+  tiers[""] = {"unit": "8", "mesh": "8", "slow": "8"}
+  for select, want in tiers.items():
     env["SEEN"] = str(tmp_path / (select.replace(" ", "_") or "all"))
     os.makedirs(env["SEEN"])
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, "-m", select]
-    command += ["-p", "MaxText.tests.conftest", "-o", "markers=mesh: needs devices", str(tmp_path / "tiers_test.py")]
+    command += ["-p", "MaxText.tests.conftest", "-o", "markers=mesh: devices\nslow: processes"]
+    command += [str(tmp_path / "tiers_test.py")]
     proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = {}
