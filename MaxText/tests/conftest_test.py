@@ -130,3 +130,22 @@ def test_cache_entries_are_renamed_into_place_and_pruned_by_age(tmp_path):
   os.utime(tmp_path / "stale-cache", (long_ago, long_ago))
   conftest._prune_cache(str(tmp_path), keep_days=7)
   assert sorted(os.listdir(tmp_path)) == ["fresh-cache"]
+
+
+@pytest.mark.slow
+def test_a_module_that_starts_jax_at_import_stops_the_run_in_one_line(tmp_path):
+  (tmp_path / "early_test.py").write_text("import jax\n\nDEVICES = jax.devices()\n\ndef test_unit():\n  pass\n")
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "XLA_FLAGS")}
+  command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "MaxText.tests.conftest"]
+  proc = subprocess.run(
+    [*command, str(tmp_path / "early_test.py")],
+    cwd=REPO_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+  assert "a test module uses a device when it is imported" in proc.stderr, proc.stdout + proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
