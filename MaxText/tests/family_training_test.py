@@ -4,8 +4,9 @@ in kind (KILLED), a run killed with kill -9 resumes to the uninterrupted run's l
 
 The families come from the registry (families.FAMILIES), so a new family is tested here without an edit: each one's
 tiny model is its first hf_example (the small transformers model its parity test builds), read into our keys by the
-family's own importer. qwen2's cases run in the quick loop; every other family's are slow-marked, with qwen2's case
-of the same test as their fast sibling (each family adds its layer to the same loop, step and checkpoints).
+family's own importer. qwen2's sharded case runs in the quick loop (the mesh tier); every other family's is
+slow-marked, with qwen2's as their fast sibling (each family adds its layer to the same loop, step and checkpoints).
+The kill -9 cases start processes, so all of them are slow (end to end).
 """
 
 import os
@@ -86,6 +87,7 @@ def _final_params(model, tmp_path, run_name: str) -> dict:
   return checkpointing.restore_host_params(cfg, state_lib.abstract_params(cfg))[0]
 
 
+@pytest.mark.slow  # every family's case: kill -9 of a training process is end to end
 @pytest.mark.parametrize("name", _each_family(KILLED))
 def test_a_run_killed_with_kill_9_resumes_exactly(name, tmp_path):
   """On 2 devices (fsdp 2), train.py is killed with SIGKILL once checkpoint 2 is committed; the same command
