@@ -29,11 +29,8 @@ MESH_DEVICES = 8  # what a `mesh` test gets, and what the processes the tests st
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MESH_DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import filelock  # noqa: E402  (JAX locks its cache folder with it; the prune takes the same lock)
 import jax  # noqa: E402  (after XLA_FLAGS, which the processes the tests start inherit)
-
-# JAX's own cache class, patched below (private: there is no public hook for how an entry is written; jax is pinned in
-# requirements.txt, and the assert below stops the tests if the class changes).
-from jax._src import lru_cache  # noqa: E402
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "maxtext_tests", "jax")
 CACHE_KEEP_DAYS = 7  # entries unread for longer are deleted when a run starts (programs of code that has changed)
@@ -42,40 +39,33 @@ RECYCLE_BYTES = 4 * 2**30  # past this resident size, a process drops its compil
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# No size limit: with one, JAX globs and stats the whole folder behind a file lock on every write, which costs more
-# than the cache saves once it holds thousands of entries. Stale entries go by age instead (_prune_cache).
-jax.config.update("jax_compilation_cache_max_size", -1)
-
-
-def _put_atomically(self, key: str, value: bytes) -> None:
-  """JAX's LRUCache.put without eviction, written to a temporary file and renamed: the two xdist workers share the
-  cache, and JAX writes an entry in place, so a worker could read another's half-written entry, which aborts the
-  process (a CI run did abort so, reading the cache in pipeline_test)."""
-  path = self.path / f"{key}-cache"
-  if path.exists():
-    return
-  temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-  temporary.write_bytes(value)
-  os.replace(temporary, path)
-
-
-assert not lru_cache.LRUCache(CACHE_DIR, max_size=-1).eviction_enabled  # the put below assumes no eviction
-lru_cache.LRUCache.put = _put_atomically
+# A size limit turns on JAX's file lock around every read and write of the cache: the two xdist workers share it,
+# and JAX writes an entry in place, so without the lock a worker could read another's half-written entry, which
+# aborts the process (a CI run did abort so, reading the cache in pipeline_test). Under the limit JAX also globs and
+# stats the whole folder on every write, so stale entries (programs of code that has changed) are pruned by age.
+jax.config.update("jax_compilation_cache_max_size", 16 * 2**30)
 
 
 def _prune_cache(folder: str, keep_days: float) -> None:
-  """Deletes the cache entries not read for `keep_days`, and temporary files a killed run left."""
+  """Deletes the cache entries not read for `keep_days`, under JAX's lock of the folder. JAX stamps an entry
+  `<key>-cache` at each read and write in `<key>-atime` (nanoseconds, little-endian), and its eviction needs that
+  file: an entry without one (written with no size limit) is stamped with the time its file was last read."""
   if not os.path.isdir(folder):
     return
-  oldest = time.time() - keep_days * 86400
-  with os.scandir(folder) as entries:
-    for entry in entries:
-      try:
-        # -atime files and the lock were the size limit's, which is off
-        if entry.name.endswith((".tmp", "-atime", ".lockfile")) or entry.stat().st_atime < oldest:
-          os.unlink(entry.path)
-      except FileNotFoundError:  # the other worker's rename, or its own prune
-        pass
+  oldest_ns = int((time.time() - keep_days * 86400) * 1e9)
+  with filelock.FileLock(os.path.join(folder, ".lockfile")):
+    for name in os.listdir(folder):
+      if not name.endswith("-cache"):
+        continue
+      entry = os.path.join(folder, name)
+      stamp = entry.removesuffix("-cache") + "-atime"
+      if not os.path.exists(stamp):
+        with open(stamp, "wb") as f:
+          f.write(os.stat(entry).st_atime_ns.to_bytes(8, "little"))
+      with open(stamp, "rb") as f:
+        if int.from_bytes(f.read(), "little") < oldest_ns:
+          os.unlink(entry)
+          os.unlink(stamp)
 
 
 # The parity tests' references (pytest.importorskip in hf_checkpoint_test, logit_checker_test, lora_test, moe_test).
