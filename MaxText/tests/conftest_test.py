@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 
@@ -122,15 +123,36 @@ def _stamp(path, seconds: float) -> None:
 def test_cache_entries_are_pruned_by_their_last_read(tmp_path):
   now = time.time()
   for key in ("fresh", "stale", "unstamped", "unstamped_stale"):
-    (tmp_path / f"{key}-cache").write_bytes(b"program")
+    (tmp_path / f"{key}-cache").write_bytes(zlib.compress(b"program"))
   _stamp(tmp_path / "fresh-atime", now - 6 * 86400)
   _stamp(tmp_path / "stale-atime", now - 8 * 86400)
   os.utime(tmp_path / "unstamped_stale-cache", (now - 9 * 86400, now - 9 * 86400))
-  conftest._prune_cache(str(tmp_path), keep_days=7)
-  assert sorted(os.listdir(tmp_path)) == [".lockfile", "fresh-atime", "fresh-cache", "unstamped-atime", "unstamped-cache"]
+  last_read = os.stat(tmp_path / "unstamped-cache").st_atime_ns
+  conftest._prune_cache(str(tmp_path), keep_days=7)  # (it reads the new entries: their atime moves)
+  kept = [".lockfile", ".pruned", "fresh-atime", "fresh-cache", "unstamped-atime", "unstamped-cache"]
+  assert sorted(os.listdir(tmp_path)) == kept
   # The entry written without a stamp got one from its file's last read, in JAX's format.
   stamp = int.from_bytes((tmp_path / "unstamped-atime").read_bytes(), "little")
-  assert stamp == os.stat(tmp_path / "unstamped-cache").st_atime_ns
+  assert stamp == last_read
+
+
+def test_a_short_cache_entry_written_since_the_last_prune_is_deleted(tmp_path):
+  """A process killed while JAX wrote an entry leaves it short; JAX would warn on each read and never rewrite it.
+  Only entries written since the last prune are read (the rest were whole then)."""
+  whole = zlib.compress(b"program" * 100)
+  (tmp_path / "old_short-cache").write_bytes(whole[:10])  # short, but written before the last prune: not read
+  _stamp(tmp_path / "old_short-atime", time.time())
+  (tmp_path / ".pruned").touch()
+  os.utime(tmp_path / ".pruned", ns=(0, os.stat(tmp_path / "old_short-cache").st_mtime_ns + 1))
+  conftest._prune_cache(str(tmp_path), keep_days=7)
+  assert (tmp_path / "old_short-cache").exists()
+  for key, data in (("whole", whole), ("short", whole[: len(whole) // 2]), ("empty", b"")):
+    (tmp_path / f"{key}-cache").write_bytes(data)
+    _stamp(tmp_path / f"{key}-atime", time.time())
+  conftest._prune_cache(str(tmp_path), keep_days=7)
+  left = sorted(name for name in os.listdir(tmp_path) if name.endswith("-cache"))
+  assert left == ["old_short-cache", "whole-cache"]
+  assert not (tmp_path / "short-atime").exists() and not (tmp_path / "empty-atime").exists()
 
 
 @pytest.mark.slow

@@ -69,9 +69,8 @@ def tiny_model(name: str, folder) -> tuple[str, ...]:
 
 
 # kill -9: 10 steps, a checkpoint every 2 (each save blocks ~0.1 s: the run is killed well before its end). The
-# processes keep helpers.TINY's jax_cache_dir= (no persistent compilation cache): JAX writes a cache entry in place,
-# so a process killed while writing one, or two processes compiling the same step at once, would leave a truncated
-# entry that aborts whichever process reads it next (a CI run of the whole suite did abort so, in pipeline_test).
+# processes share the tests' compilation cache (conftest.py: under JAX's lock, and an entry left short by the kill
+# is deleted by the next run's prune).
 KILL_RUN = ("max_target_length=32", "per_device_batch_size=2", "steps=10", "checkpoint_period=2", "log_period=1")
 KILL_RUN += ("enable_checkpointing=true", "learning_rate=1e-2", "warmup_steps_fraction=0")
 
