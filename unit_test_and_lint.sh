@@ -6,7 +6,7 @@
 #   bash unit_test_and_lint.sh                  # everything (CI): the three tiers in turn
 #   bash unit_test_and_lint.sh -m "not slow"    # the edit-test loop: unit and mesh
 # Other arguments go to pytest (`bash unit_test_and_lint.sh -k sharding`); a -m expression narrows every tier.
-# Each tier runs on two pytest-xdist workers, a test file per worker at a time.
+# Each tier runs on two pytest-xdist workers, a test file per worker at a time (the slow tier splits one file's demos).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -29,22 +29,24 @@ while [ $# -gt 0 ]; do
 done
 STATUS=0
 RAN=0
-tier() {  # tier NAME MARKER-EXPRESSION
-  local expression="$2" code=0 start=$SECONDS
-  if [ -n "$SELECT" ]; then expression="($SELECT) and ($2)"; fi
-  echo "== tier $1: -m \"$expression\""
-  "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile -m "$expression" MaxText/tests \
+tier() {  # tier NAME MARKER-EXPRESSION PYTEST-XDIST-OPTIONS...
+  local name="$1" expression="$2" code=0 start=$SECONDS
+  shift 2
+  if [ -n "$SELECT" ]; then expression="($SELECT) and ($expression)"; fi
+  echo "== tier $name: -m \"$expression\""
+  "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 -n 2 "$@" -m "$expression" MaxText/tests \
     ${ARGS[@]+"${ARGS[@]}"} || code=$?
-  echo "== tier $1: exit $code after $((SECONDS - start)) s"
+  echo "== tier $name: exit $code after $((SECONDS - start)) s"
   case $code in
     0) RAN=1 ;;
     5) ;; # no test of this tier selected (-k, -m)
     *) STATUS=$code ;;
   esac
 }
-tier unit "not mesh and not slow"
-tier mesh "mesh and not slow"
-tier slow "slow"
+tier unit "not mesh and not slow" --dist loadfile
+tier mesh "mesh and not slow" --dist loadfile
+# A file per worker at a time, except the demos' checks, each a group of its own (conftest.py), in file order.
+tier slow "slow" --dist loadgroup --no-loadscope-reorder
 if [ "$STATUS" = 0 ] && [ "$RAN" = 0 ]; then
   echo "error: no test selected" >&2
   exit 5

@@ -167,6 +167,14 @@ def pytest_configure(config):
     _prune_cache(CACHE_DIR, CACHE_KEEP_DAYS)
 
 
+def pytest_itemcollected(item):
+  """Under pytest-xdist's `--dist loadgroup` (the slow tier) a test file runs on one worker, as under `loadfile`
+  (its module-scoped fixtures set up once), unless its tests name an xdist_group of their own (the demos' checks,
+  minutes each, which the two workers then split)."""
+  if item.get_closest_marker("xdist_group") is None:
+    item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
   """The tier: 8 devices when a selected test is marked `mesh` or `slow` (end to end, as a user runs it), else one

@@ -9,6 +9,7 @@ its docstring; the demos' learning checks take most of the file's.
 """
 
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -612,6 +613,7 @@ def readme_serving_commands() -> tuple[list[str], str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("quickstart")
 def test_readme_serving_commands_serve_the_quick_starts_checkpoint(request):
   """Each serve.py command of the Serving guide's first block, on the quick start's run (its folder for
   ~/maxtext_runs, a free port for 8000), answers its curl request with a completion: the commands a user copies work."""
@@ -678,7 +680,24 @@ def test_every_linked_script_has_a_short_mode_or_a_reason():
     assert os.path.isfile(os.path.join(REPO_ROOT, name)), name
 
 
+# The checks that read the quick start's run share a worker, so its module-scoped fixture runs once; each other
+# script is a group of its own, so the slow tier's two workers split the demos (minutes each) between them.
+ON_THE_QUICK_START = {check_quickstart, check_plot_metrics, check_finetune, check_eval}
+
+
+def _worker_group(script: str) -> str:
+  return "quickstart" if SHORT_MODES[script] in ON_THE_QUICK_START else script
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(SHORT_MODES))
+@pytest.mark.parametrize(
+  "script", [pytest.param(s, marks=pytest.mark.xdist_group(_worker_group(s))) for s in sorted(SHORT_MODES)]
+)
 def test_script_in_short_mode(script, request, tmp_path):
   SHORT_MODES[script](request, tmp_path)  # The cases that need the quick start's run ask for it (once per module).
+
+
+def test_the_checks_on_the_quick_starts_run_share_a_worker():
+  """Every check that asks for the quick start's fixture is in its group (one quick start per slow-tier run)."""
+  readers = {f for f in SHORT_MODES.values() if 'getfixturevalue("quickstart")' in inspect.getsource(f)}
+  assert readers == ON_THE_QUICK_START
