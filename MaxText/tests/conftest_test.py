@@ -172,3 +172,11 @@ def test_a_module_that_starts_jax_at_import_stops_the_run_in_one_line(tmp_path):
   assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
   assert "a test module uses a device when it is imported" in proc.stderr, proc.stdout + proc.stderr
   assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow  # it starts a process
+def test_a_started_process_shares_the_tests_compilation_cache_under_its_lock():
+  code = "import jax; c = jax.config; print(c.jax_compilation_cache_dir, c.jax_compilation_cache_max_size)"
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+  folder, limit = proc.stdout.split()
+  assert folder == conftest.CACHE_DIR and int(limit) > 0, proc.stdout  # a limit: JAX's file lock is on
