@@ -6,7 +6,7 @@ creates every array already in place.
 
 Under a circular pipeline the state holds the pipelined layers stage-major (layers/pipeline.py, to_stored): the
 train state that init_state and state_from_params make is in that order, the same shapes and shardings as the
-natural one; checkpointing.py permutes at every save and restore, so checkpoints keep the natural order.
+natural one; checkpointing/ (save.py, restore.py) permutes at every save and restore, so checkpoints keep the natural order.
 """
 
 import dataclasses
@@ -29,21 +29,21 @@ class TrainState:
   step: jax.Array  # number of completed optimizer steps
   params: dict
   opt_state: optax.OptState
-  # use_dpo, or use_rl with grpo_beta > 0: the frozen parameters the run started from (the reference model), saved
-  # with the state so a resumed run compares against the same model. None otherwise (and under LoRA).
+  # An objective that keeps a reference model (objectives.base.Objective.keeps_reference: DPO, RL with grpo_beta >
+  # 0, not under LoRA): the frozen parameters the run started from, saved with the state so a resumed run compares
+  # against the same model. None otherwise.
   reference_params: dict | None = None
 
 
-def _reference(config: Config, params):
+def _reference(params, reference: bool):
   """The reference model's parameters for a state around `params`: a copy (never the same buffers, which the train
-  step donates) where needs_reference_copy says, else None."""
-  return jax.tree_util.tree_map(lambda x: x.copy(), params) if needs_reference_copy(config) else None
+  step donates) when the state keeps one, else None."""
+  return jax.tree_util.tree_map(lambda x: x.copy(), params) if reference else None
 
 
-def needs_reference_copy(config: Config) -> bool:
-  """DPO, and RL with a KL penalty (grpo_beta > 0), compare against the starting model: a copy of its parameters,
-  except under LoRA, where the base (the adapters off) is that model."""
-  return (config.use_dpo or (config.use_rl and config.grpo_beta > 0)) and config.lora_rank == 0
+def keeps_reference(layout: "StateLayout") -> bool:
+  """Whether the train states of `layout` hold a reference model's parameters."""
+  return layout.abstract.reference_params is not None
 
 
 def trainable(config: Config, params):
@@ -77,13 +77,13 @@ def _batch_shards(config: Config) -> int:
   return math.prod(size[axis] for axis in axes)
 
 
-def _boxed_state(model, config, tx, rng) -> TrainState:
+def _boxed_state(model, config, tx, rng, reference: bool) -> TrainState:
   params = init_params(model, config, rng)
   return TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32),
     params=params,
     opt_state=_boxed_opt_state(tx, trainable(config, params)),
-    reference_params=_reference(config, params),
+    reference_params=_reference(params, reference),
   )
 
 
@@ -111,9 +111,12 @@ def _boxed_opt_state(tx, params):
   return jax.tree_util.tree_map_with_path(box, tx.init(plain))
 
 
-def state_layout(model: nn.Module, config: Config, tx: optax.GradientTransformation, mesh: Mesh) -> StateLayout:
-  """Shapes, dtypes and shardings of the train state, computed without allocating it."""
-  boxed = jax.eval_shape(lambda rng: _boxed_state(model, config, tx, rng), jax.random.key(0))
+def state_layout(  # noqa: PLR0913 (the model's, then whether it keeps a reference)
+  model: nn.Module, config: Config, tx: optax.GradientTransformation, mesh: Mesh, *, reference: bool = False
+) -> StateLayout:
+  """Shapes, dtypes and shardings of the train state, computed without allocating it. reference: the state keeps a
+  reference model's parameters (the objective's keeps_reference)."""
+  boxed = jax.eval_shape(lambda rng: _boxed_state(model, config, tx, rng, reference), jax.random.key(0))
   return StateLayout(*_abstract(boxed, mesh, config))
 
 
@@ -148,7 +151,7 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
   """A fresh train state from init_weights_seed, created directly with its shardings (in the stored order,
   pipeline.to_stored: the natural init's values, permuted)."""
   init = jax.jit(
-    lambda rng: pipeline.to_stored(config, nn.meta.unbox(_boxed_state(model, config, tx, rng))),
+    lambda rng: pipeline.to_stored(config, nn.meta.unbox(_boxed_state(model, config, tx, rng, keeps_reference(layout)))),
     out_shardings=layout.shardings,
   )
   rng = jax.random.key(config.init_weights_seed)
@@ -177,7 +180,7 @@ def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainS
       step=jax.numpy.zeros((), jax.numpy.int32),
       params=p,
       opt_state=tx.init(trainable(config, p)),
-      reference_params=_reference(config, p),
+      reference_params=_reference(p, keeps_reference(layout)),
     )
 
   return jax.jit(fresh, out_shardings=layout.shardings)(params)

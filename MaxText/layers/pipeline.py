@@ -18,7 +18,7 @@ block, so the training state holds them stage-major instead (to_stored: [S, R, L
 one stage's layers) and the train step views them in the natural order for the model (to_natural): a reshape and
 a transpose that XLA folds into the pipeline's own view, so the step moves no layer between devices. The stage-major
 order is the training state's alone (parameters and whatever is shaped like them: the optimizer's moments, the
-reference model): checkpoints, decoding and RL's rollouts get the natural order, at the boundaries (checkpointing.py,
+reference model): checkpoints, decoding and RL's rollouts get the natural order, at the boundaries (checkpointing/,
 rl/rollouts.py), so checkpoints are the same with and without pipelining.
 
 The backward pass recomputes the forward (rematerialisation, remat_policy != "none") in checkpoints of k

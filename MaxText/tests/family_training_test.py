@@ -33,7 +33,7 @@ QUICK = "qwen2"
 TRAINED = sorted(name for name, family in families.FAMILIES.items() if family.hf_examples)
 
 
-# Saving and resuming are the same code for every family (the whole state tree, checkpointing.py); what a family
+# Saving and resuming are the same code for every family (the whole state tree, checkpointing/); what a family
 # changes is what that tree holds. These cover each kind: dense layers with biases (qwen2), multi-head latent
 # attention with dense and MoE stacks and the router's gate bias (deepseek), experts with biases and
 # attention sinks (gpt_oss), periods of local and global layers (gemma3). Every family's kill -9 case took 4 min of
