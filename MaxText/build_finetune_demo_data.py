@@ -9,9 +9,9 @@ Three kinds of question with one-phrase answers, taken from the corpus's own doc
 The corpus's split is kept: training questions come from training documents and held-out questions from
 validation documents, so no held-out verse or line was seen in pre-training or fine-tuning. Written to OUT_DIR:
 
-  sft_train.jsonl, sft_heldout.jsonl   {"prompt", "completion"} (use_sft, train_data_columns=[prompt, completion])
+  sft_train.jsonl, sft_heldout.jsonl   {"prompt", "completion"} (objective=sft, train_data_columns=[prompt, completion])
   dpo_train.jsonl, dpo_heldout.jsonl   {"prompt", "chosen", "rejected"}: the right answer, and a wrong one of the
-                                       same kind drawn at random (use_dpo)
+                                       same kind drawn at random (objective=dpo)
   heldout_prompts.txt, heldout_answers.txt   one held-out question (decode_prompts_file) and its answer per line
 """
 

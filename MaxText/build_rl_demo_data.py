@@ -10,7 +10,7 @@ The held-out problems are drawn first from all of them, with `--seed`, and no tr
   tokenizer.model                     a SentencePiece model of single characters (the digits, "+", "-", "=") with
                                       pad=0, eos=1, bos=2, unk=3 as train_tokenizer.py's: one token per digit
                                       is what lets a tiny model learn carries
-  sft_train.jsonl, sft_heldout.jsonl  {"prompt", "completion"}: the warm-up (use_sft, use_chat_template=false)
+  sft_train.jsonl, sft_heldout.jsonl  {"prompt", "completion"}: the warm-up (objective=sft, use_chat_template=false)
   rl_train.jsonl, rl_heldout.jsonl    {"prompt", "answer"}: RL prompts, and the answer the reward checks
   heldout_prompts.txt, heldout_answers.txt   one held-out problem (decode_prompts_file) and its answer per line
 """

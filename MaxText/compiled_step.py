@@ -40,7 +40,7 @@ NOT_IN_STEP = frozenset({
   "dataset_type", "data_shuffle_seed", "num_epoch", "tokenizer_path", "tokenizer_type", "add_bos", "add_eos",
   "grain_train_files", "grain_eval_files", "grain_worker_count", "dataset_path", "dataset_name", "eval_dataset_name",
   "train_split", "eval_split", "hf_path", "hf_data_dir", "hf_train_files", "hf_eval_files", "train_data_columns",
-  "eval_data_columns", "packing", "use_sft", "sft_train_on_completion_only", "use_chat_template", "chat_template",
+  "eval_data_columns", "packing", "sft_train_on_completion_only", "use_chat_template", "chat_template",
   "chat_template_path", "hf_lora_adapter_path", "hf_lora_export",
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "eval_batch_size", "reuse_example_batch",
   "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
@@ -141,8 +141,17 @@ class StepReport:
     return does_not_fit_line(self.needed, self.hbm, self.chip, config)
 
 
-def report(compiled: jax.stages.Compiled, config: Config, mesh, target: str, chip: str, seconds: float) -> StepReport:
-  """The StepReport of a compiled step."""
+def report(  # noqa: PLR0913 (the step's, then where and how long, then its model FLOPs)
+  compiled: jax.stages.Compiled,
+  config: Config,
+  mesh,
+  target: str,
+  chip: str,
+  seconds: float,
+  model_flops: float | None = None,
+) -> StepReport:
+  """The StepReport of a compiled step; model_flops: its objective's (by default one training pass, as
+  metrics.training_flops_per_device counts it)."""
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, list) else cost  # A list of one dict on some jax versions.
@@ -158,7 +167,7 @@ def report(compiled: jax.stages.Compiled, config: Config, mesh, target: str, chi
     peak=getattr(memory, "peak_memory_in_bytes", 0),
     hbm=metrics.device_memory_bytes(mesh.devices.flat[0]),
     flops=cost.get("flops"),
-    model_flops=metrics.training_flops_per_device(config).total,
+    model_flops=metrics.training_flops_per_device(config).total if model_flops is None else model_flops,
     collectives=count_collectives(compiled.as_text()),
     compile_seconds=seconds,
   )

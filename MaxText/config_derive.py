@@ -1,8 +1,8 @@
-"""Configuration, part three: the derived values. From typed values that config_validate has accepted and the
-device topology, every value the run computes rather than reads: the model's dimensions (global_parameter_scale),
-the schedule's steps, the mesh (ICI x DCN), the global batch sizes, the pipeline's layout, and the family's own
-keys. This is the one place they are computed; the checks that need them (does each sharded dimension split over
-its mesh axes?) are config_validate's `check_derived`.
+"""Configuration, part three: the derived values. From typed values that config_validate has accepted and the device
+topology, every value the run computes rather than reads: the model's dimensions (global_parameter_scale), the
+training objective, the schedule's steps, the mesh (ICI x DCN), the global batch sizes, the pipeline's layout, and
+the family's own keys. This is the one place they are computed; the checks that need them (does each sharded
+dimension split over its mesh axes?) are config_validate's `check_derived`.
 """
 
 import math
@@ -22,6 +22,8 @@ PARALLELISM_AXES = {
   "expert": "expert",
 }
 NAME_OF_AXIS = {axis: name for name, axis in PARALLELISM_AXES.items()}  # mesh axis -> its *_parallelism keys' name
+# MaxText's keys for three training objectives (the `objective` key names any of MaxText/objectives/).
+OBJECTIVE_FLAGS = {"use_rl": "rl", "use_dpo": "dpo", "use_sft": "sft"}
 
 
 def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
@@ -29,11 +31,25 @@ def derive(values: Mapping, num_devices: int, num_slices: int = 1) -> dict:
   `check_topology` have accepted. Model shapes follow MaxText's global_parameter_scale; the mesh is ICI x DCN;
   batch sizes are global."""
   d = model_dims(values)
+  d |= objective_keys(values)
   d |= schedule(values)
   d |= _mesh(values, num_devices, num_slices)
   d |= _batches(values, num_devices)
   d |= _pipeline(values, d)
   return d
+
+
+def objective(values: Mapping) -> str:
+  """The training objective's name: `objective`, else the one a MaxText flag (use_sft, use_dpo, use_rl) names,
+  else lm (config_validate refuses flags that disagree)."""
+  flagged = [name for key, name in OBJECTIVE_FLAGS.items() if values[key]]
+  return values["objective"] or (flagged[0] if flagged else "lm")
+
+
+def objective_keys(values: Mapping) -> dict:
+  """`objective` resolved, and MaxText's flags agreeing with it."""
+  name = objective(values)
+  return {"objective": name} | {key: name == flagged for key, flagged in OBJECTIVE_FLAGS.items()}
 
 
 def family_keys(values: Mapping, d: Mapping) -> dict:

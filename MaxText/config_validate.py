@@ -18,15 +18,17 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from MaxText import families, input_pipeline, lora, metrics, optimizers, storage
+from MaxText import families, input_pipeline, lora, metrics, objectives, optimizers, storage
 from MaxText.common_types import ConfigError, cut, shown, thaw
 from MaxText.config_derive import (
   NAME_OF_AXIS,
+  OBJECTIVE_FLAGS,
   PARALLELISM_AXES,
   last_stack_layers,
   mesh_axis_sizes,
   model_dims,
 )
+from MaxText.config_derive import objective as config_objective
 from MaxText.config_parse import PATH_KEYS
 from MaxText.inference import sampling
 from MaxText.input_pipeline import tokenizer
@@ -80,6 +82,7 @@ def validate(values: Mapping) -> None:
   _check_model(values)
   _check_schedule(values)
   _check_optimizer(values)
+  _check_objective(values)
   _check_post_training(values)
   _check_rl(values)
   _check_evaluation_and_checkpoints(values)
@@ -262,16 +265,35 @@ def _check_optimizer(values: Mapping) -> None:
     )
 
 
+def _objective_said(values: Mapping) -> str:
+  """How the config names its training objective: "objective=dpo", or MaxText's "use_dpo=true"."""
+  if values["objective"]:
+    return f"objective={values['objective']}"
+  return next((f"{key}=true" for key in OBJECTIVE_FLAGS if values[key]), "objective=lm")
+
+
+def _check_objective(values: Mapping) -> None:
+  """One training objective, of those MaxText/objectives/ holds (or a test registers)."""
+  said = [f"objective={values['objective']}"] if values["objective"] else []
+  said += [f"{key}=true" for key in OBJECTIVE_FLAGS if values[key]]
+  named = {values["objective"]} - {""} | {OBJECTIVE_FLAGS[key] for key in OBJECTIVE_FLAGS if values[key]}
+  if len(named) > 1:
+    raise ConfigError(f"{' and '.join(said)}: a run trains for one objective; set one")
+  if values["objective"] and values["objective"] not in objectives.names():
+    raise ConfigError(
+      f"objective={shown(values['objective'])} is not supported; choose one of {', '.join(map(repr, objectives.names()))}"
+    )
+
+
 def _check_post_training(values: Mapping) -> None:
   """Supervised fine-tuning and DPO: their data, and what DPO's loss needs."""
-  if values["use_sft"] and values["dataset_type"] == "synthetic":
-    raise ConfigError("use_sft=true trains on conversations; set dataset_type to grain, tfds or hf")
-  if not values["use_dpo"]:
+  objective, said = config_objective(values), _objective_said(values)
+  if objective == "sft" and values["dataset_type"] == "synthetic":
+    raise ConfigError(f"{said} trains on conversations; set dataset_type to grain, tfds or hf")
+  if objective != "dpo":
     return
-  if values["use_sft"]:
-    raise ConfigError("use_dpo=true and use_sft=true: DPO trains on preference pairs, SFT on conversations; set one")
   if values["dataset_type"] == "synthetic":
-    raise ConfigError("use_dpo=true trains on preference pairs; set dataset_type to grain, tfds or hf")
+    raise ConfigError(f"{said} trains on preference pairs; set dataset_type to grain, tfds or hf")
   if values["dpo_beta"] <= 0 or not 0.0 <= values["dpo_label_smoothing"] <= 0.5:
     raise ConfigError(
       f"dpo_beta={values['dpo_beta']} must be > 0 and dpo_label_smoothing={values['dpo_label_smoothing']} in [0, 0.5]"
@@ -281,16 +303,14 @@ def _check_post_training(values: Mapping) -> None:
 
 
 def _check_rl(values: Mapping) -> None:
-  """Reinforcement learning (use_rl): its rewards and groups (rewards.check), its data, the sampling that makes
-  groups differ, and the loss's numbers."""
-  rewards.check(values)
-  if not values["use_rl"]:
+  """Reinforcement learning: its rewards and groups (rewards.check), its data, the sampling that makes groups
+  differ, and the loss's numbers."""
+  rl = config_objective(values) == "rl"
+  rewards.check(values, _objective_said(values) if rl else None)
+  if not rl:
     return
-  for other in ("use_sft", "use_dpo"):
-    if values[other]:
-      raise ConfigError(f"use_rl=true and {other}=true: RL trains on its own rollouts of prompts; set one")
   if values["dataset_type"] == "synthetic":
-    raise ConfigError("use_rl=true samples completions of prompts; set dataset_type to grain, tfds or hf")
+    raise ConfigError(f"{_objective_said(values)} samples completions of prompts; set dataset_type to grain, tfds or hf")
   top_1 = values["decode_sampling_strategy"] == "topk" and values["decode_sampling_top_k"] == 1
   if values["decode_sampling_strategy"] == "greedy" or values["decode_sampling_temperature"] == 0 or top_1:
     raise ConfigError(

@@ -91,6 +91,10 @@ class TrainingFlops:
   attention: float  # q.k^T and weights.v over the (query, key) pairs the layers' masks allow
   total: float
 
+  def scaled(self, factor: float) -> "TrainingFlops":
+    """These FLOPs `factor` times (a training objective's passes: objectives.base.Objective.flops)."""
+    return TrainingFlops(self.weights * factor, self.attention * factor, self.total * factor)
+
 
 def training_flops_per_device(config: Config) -> TrainingFlops:
   """Analytic model FLOPs per device per step, MaxText's `calculate_tflops_training_per_device`.
@@ -103,14 +107,12 @@ def training_flops_per_device(config: Config) -> TrainingFlops:
   within a sliding window, within a chunk, with the diagonal counted half as MaxText counts causal attention
   (llama.causal_pairs; L^2/2 pairs for a full causal mask). The output projection costs 2*E*V per token once.
   Training is 3x the forward pass (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1). Rematerialisation is not
-  counted: these are model FLOPs, so MFU is comparable across remat policies. DPO (use_dpo) trains on two
-  sequences per row (chosen and rejected) and runs the reference model forward on both: 2 x (3 + 1) forwards; RL
-  with a KL penalty (grpo_beta > 0) runs the reference forward too: 3 + 1 (its rollouts are not counted).
-  LoRA (lora_rank > 0) computes no gradient of the frozen weights: their matmuls count 2x the forward pass (the
-  adapters' own, rank-thin, are left out).
+  counted: these are model FLOPs, so MFU is comparable across remat policies. These are one training pass over
+  each row's tokens: an objective that does more (DPO's two sequences per row, a reference model's forward pass)
+  scales them (objectives.base.Objective.flops). LoRA (lora_rank > 0) computes no gradient of the frozen weights:
+  their matmuls count 2x the forward pass (the adapters' own, rank-thin, are left out).
   """
   tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
-  tokens *= 2 * 4 / 3 if config.use_dpo else 4 / 3 if config.use_rl and config.grpo_beta > 0 else 1
   length = config.max_target_length
   per_token, per_sequence = 2 * config.emb_dim * config.vocab_size, 0.0  # weight FLOPs per token, attention's
   for stack in decoders.layer_stacks(config):
@@ -144,11 +146,22 @@ class StepClock:
   compilation are included; the steps after it are the step times.
   """
 
-  def __init__(self, config: Config, device_kind: str, first_step: int, started: float):
-    self.flops = training_flops_per_device(config)
+  def __init__(  # noqa: PLR0913 (the run's four, then what the objective says of its work)
+    self,
+    config: Config,
+    device_kind: str,
+    first_step: int,
+    started: float,
+    *,
+    flops: TrainingFlops | None = None,
+    sequences_per_row: int = 1,
+  ):
+    """flops: the step's (the objective's; by default training_flops_per_device's). sequences_per_row: the
+    sequences of a batch row whose tokens count (DPO's rows hold a chosen and a rejected one)."""
+    self.flops = training_flops_per_device(config) if flops is None else flops
     self.peak = peak_tflops(device_kind, config.cpu_peak_tflops)
-    sequences = 2 if config.use_dpo else 1  # DPO's rows hold a chosen and a rejected sequence
-    self.tokens_per_device = sequences * config.global_batch_size * config.max_target_length / config.num_devices
+    tokens = sequences_per_row * config.global_batch_size * config.max_target_length
+    self.tokens_per_device = tokens / config.num_devices
     self.started = started
     self.last_time, self.last_step = time.time(), first_step
     self.time_to_first_step: float | None = None

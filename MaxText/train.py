@@ -1,8 +1,9 @@
 """Training: `python3 MaxText/train.py MaxText/configs/base.yml run_name=NAME [key=value ...]`.
 
 The loop, top to bottom: build the run, step, log, evaluate, save. The step's math and its compilation live in
-step.py; set-up in cli, pyconfig, sharding, state, checkpointing (with its full-disk policy), input_pipeline and
-metrics.
+step.py; what differs between pre-training, SFT, DPO and RL (the data, the loss, the evaluation) in the training
+objective (MaxText/objectives/); set-up in cli, pyconfig, sharding, state, checkpointing (with its full-disk policy)
+and metrics.
 """
 
 import contextlib
@@ -12,7 +13,7 @@ import math
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
@@ -20,16 +21,14 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 import optax
-import tqdm
 import yaml
 
-from MaxText import checkpointing, cli, compiled_step, config_derive, input_pipeline, metrics, optimizers, pyconfig, storage
+from MaxText import checkpointing, cli, compiled_step, config_derive, metrics, objectives, optimizers, pyconfig, storage
 from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import Config, ConfigError, TrainingError
-from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import pipeline
-from MaxText.rl import rewards, rollouts
+from MaxText.objectives import base as objective_lib
 
 
 @dataclasses.dataclass
@@ -40,7 +39,7 @@ class TrainSummary:
   steps_run: int = 0
   losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, loss) of each logged step
   last_eval: dict[str, float] | None = None  # the last evaluation's scalars
-  first_eval: dict[str, float] | None = None  # RL: the evaluation before the first step (a run from step 0)
+  first_eval: dict[str, float] | None = None  # the evaluation before the first step (an objective's evaluates_first)
   time_to_first_step: float | None = None  # seconds from the run's start (train() or main() called) to the first step's end
   median_step_time: float = math.nan  # seconds, over the steps after the first
   total_tokens: int = 0  # tokens of the steps run (global batch x max_target_length each)
@@ -79,14 +78,15 @@ class Run:
   """A run ready to step: the compiled step, the state it starts from, and the data positioned for it."""
 
   config: Config
+  objective: objective_lib.Objective
   mesh: jax.sharding.Mesh
   manager: Any  # orbax.checkpoint.CheckpointManager (imported lazily), or None when enable_checkpointing=false
   step: jax.stages.Compiled  # (state, batch) -> (state, metrics)
-  eval_fn: Callable  # jitted (params, reference params, batch) -> (loss sum, weight, {DPO metric: sum})
+  eval_fn: Callable  # jitted (params, reference params, batch) -> (loss sum, weight, {metric: sum})
   state: state_lib.TrainState
   first_step: int
   started: float  # time.time() when the run started: goodput's start-up and the time to first step count from it
-  data: Iterator | None = None  # the training iterator (RL: rollouts.Rollouts); None when there is nothing left to do
+  data: objective_lib.Batches | None = None  # the objective's training data; None when there is nothing left to do
   resumed: bool = False  # from the run's own checkpoint
 
   @property
@@ -103,11 +103,7 @@ def train(config: Config, devices=None, started: float | None = None) -> TrainSu
   state_bytes = compiled_step.state_bytes_per_device(parts.layout.abstract)
   compiled_step.check_fits("the train state (params and optimizer)", state_bytes, config, parts.mesh, step=False)
   checkpointing.check_start_paths(config, parts.layout)  # Before anything is written.
-  input_pipeline.check(config)
-  if config.use_rl:
-    imported = rewards.imported(rollouts.check(config))
-    if imported:  # A config naming "module:function" runs that module's code: say which.
-      cli.log(imported)
+  objectives.get(config).check_start()
   checkpointing.check_shared_run_dir(config)
 
   manager = checkpointing.create_manager(config)
@@ -128,7 +124,7 @@ def _prepare(config: Config, manager, parts: step_lib.Parts, started: float) -> 
   the state is restored or initialised, then positions the data for the first step. Nothing is written before
   the compiled step is known to fit in memory."""
   mesh, model, schedule, tx, layout = parts
-  tokenizer = tokenizer_lib.check_tokenizer(config) if config.use_rl else None
+  objective = objectives.get(config)
   jitted = step_lib.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
   compiled, start = step_lib.compile_while(
     config, mesh, jitted, lambda: checkpointing.restore_or_init(config, manager, model, tx, layout)
@@ -136,10 +132,7 @@ def _prepare(config: Config, manager, parts: step_lib.Parts, started: float) -> 
   first_step = int(jax.device_get(start.state.step))
   data = None
   if first_step < config.steps:
-    if config.use_rl:
-      data = rollouts.Rollouts(config, mesh, start.state.params, tokenizer)
-    else:
-      data = input_pipeline.create_iterator(config, mesh, start_step=first_step)
+    data = objective.data(mesh, start.state.params, first_step)
     if start.resumed and config.dataset_type != "synthetic":
       checkpointing.restore_data(config, manager, first_step, data)
   for damaged in start.skipped:
@@ -156,6 +149,7 @@ def _prepare(config: Config, manager, parts: step_lib.Parts, started: float) -> 
     cli.log(pipeline.describe(config))
   return Run(
     config=config,
+    objective=objective,
     mesh=mesh,
     manager=manager,
     step=compiled,
@@ -208,14 +202,21 @@ def _loop(run: Run) -> TrainSummary:
     earlier = config.metrics_file or (metrics.metrics_path(run.run_dir) if config.gcs_metrics else "")
     goodput.read_earlier_metrics(earlier, run.first_step)
   writer = metrics.MetricWriter(config, run.run_dir)
-  clock = metrics.StepClock(config, run.mesh.devices.flat[0].device_kind, run.first_step, run.started)  # Last.
+  clock = metrics.StepClock(  # Last.
+    config,
+    run.mesh.devices.flat[0].device_kind,
+    run.first_step,
+    run.started,
+    flops=run.objective.flops(),
+    sequences_per_row=run.objective.sequences_per_row,
+  )
   summary = TrainSummary(first_step=run.first_step)
   batch, completed = None, run.first_step
   stop = cli.StopRequest()
   failed = True
   sync_preemption = False  # a multi-process job's agreed step to stop at came, inside a batch of rollouts (RL)
   try:
-    if config.use_rl and run.first_step == 0 and config.eval_interval > 0:
+    if run.objective.evaluates_first and run.first_step == 0 and config.eval_interval > 0:
       with goodput.waiting("evaluation"):
         summary.first_eval = _evaluate_and_log(run, state, -1, writer)
       clock.pause_until_now()
@@ -238,9 +239,8 @@ def _loop(run: Run) -> TrainSummary:
         continue
       laps_from = clock.last_step
       scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()} | clock.lap(completed)
-      if config.use_rl:  # the lap's time, rollouts included, and its steps
-        steps = completed - laps_from
-        scalars |= run.data.metrics(scalars["perf/step_time_seconds"] * steps, steps)
+      steps = completed - laps_from  # The data's own figures (RL: its rollouts'), of the lap's time and steps.
+      scalars |= run.data.metrics(scalars["perf/step_time_seconds"] * steps, steps)
       _log(run, step, scalars, summary, writer)
       if evaluate:
         with goodput.waiting("evaluation"):
@@ -276,12 +276,9 @@ def _next_batch(run: Run, stop: cli.StopRequest, state: state_lib.TrainState, co
   position = run.data.get_state() if saves and run.config.dataset_type != "synthetic" else None
   try:
     with stop.interrupting():
-      if not run.config.use_rl:
-        batch = next(run.data)
-      else:
-        batch = run.data.batch(state.params, completed)
-        if batch is None:
-          raise StopIteration
+      batch = run.data.batch(state.params, completed)
+      if batch is None:
+        raise StopIteration
       if stop.signal_name is not None:  # A signal whose exception the data's code caught.
         raise cli.StopRequest.Interrupted(stop.signal_name)
       return batch
@@ -342,58 +339,13 @@ def _check_finite(scalars: dict, step: int, config: Config, manager) -> None:
 
 
 def _evaluate_and_log(run: Run, state: state_lib.TrainState, step: int, writer: metrics.MetricWriter) -> dict:
-  """Evaluates, logs a line and writes the scalars; RL: `step` -1 is before training (logged, not written)."""
-  if run.config.use_rl:
-    scalars = run.data.evaluate(state.params)
-    when = "before training" if step < 0 else f"after step {step}"
-    each = ", ".join(f"{k.removeprefix('eval/reward_')} {v:.4f}" for k, v in scalars.items() if k.startswith("eval/reward_"))
-    cli.log(f"eval {when}: reward {scalars['eval/reward']:.4f} ({each}) over {scalars['eval/total_weights']} prompts")
-    if step >= 0:
-      writer.write(step, scalars)
-    return scalars
-  scalars = evaluate(run.config, run.mesh, run.eval_fn, state, step=step)
-  if run.config.use_dpo:
-    cli.log(
-      f"eval after step {step}: DPO loss {scalars['eval/avg_loss']:.4f}, reward accuracy "
-      f"{scalars['eval/dpo_reward_accuracy']:.3f}, margin {scalars['eval/dpo_reward_margin']:.4f} "
-      f"over {scalars['eval/total_weights']} pairs"
-    )
-  else:
-    cli.log(
-      f"eval after step {step}: loss {scalars['eval/avg_loss']:.4f}, perplexity {scalars['eval/perplexity']:.2f} "
-      f"over {scalars['eval/total_weights']} tokens"
-    )
-  writer.write(step, scalars)
+  """Evaluates the objective, logs its line and writes the scalars; `step` -1 is before training (logged, not
+  written)."""
+  scalars = run.objective.evaluate(run.mesh, run.eval_fn, state, run.data, step=step)
+  cli.log(run.objective.eval_line(scalars, "before training" if step < 0 else f"after step {step}"))
+  if step >= 0:
+    writer.write(step, scalars)
   return scalars
-
-
-def evaluate(config: Config, mesh, eval_fn, state: state_lib.TrainState, *, step: int) -> dict[str, float]:
-  """Mean loss per non-padding target token (DPO: per pair, with its metrics) over eval_steps batches (-1: one
-  pass over the split)."""
-  loss_sum, weight, sums = 0.0, 0, {}
-  batches = tqdm.tqdm(  # A progress bar for an evaluation that takes over 2 s (a whole split can take minutes).
-    input_pipeline.create_eval_iterator(config, mesh),
-    desc=f"eval after step {step}",
-    total=config.eval_steps if config.eval_steps > 0 else None,
-    unit="batch",
-    delay=2,
-    leave=False,
-    disable=jax.process_index() != 0,
-  )
-  for i, batch in enumerate(batches):
-    if i == config.eval_steps:
-      break
-    batch_loss, batch_weight, batch_sums = jax.device_get(eval_fn(state.params, state.reference_params, batch))
-    loss_sum, weight = loss_sum + float(batch_loss), weight + int(batch_weight)
-    sums = {k: sums.get(k, 0.0) + float(v) for k, v in batch_sums.items()}
-  if weight == 0:
-    raise TrainingError(
-      "the evaluation split gave no full batch; lower eval_per_device_batch_size or give more eval documents"
-    )
-  avg = loss_sum / weight
-  if config.use_dpo:  # a mean DPO loss per pair: no perplexity
-    return {"eval/avg_loss": avg, "eval/total_weights": weight} | {f"eval/{k}": v / weight for k, v in sums.items()}
-  return {"eval/avg_loss": avg, "eval/perplexity": math.exp(min(avg, 700.0)), "eval/total_weights": weight}
 
 
 def _save(run: Run, state: state_lib.TrainState, completed: int, position: dict | None = None) -> None:

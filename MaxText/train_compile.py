@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 
-from MaxText import cli, compiled_step, pyconfig, step, tpu_topology
+from MaxText import cli, compiled_step, objectives, pyconfig, step, tpu_topology
 from MaxText.common_types import Config, ConfigError, TrainingError
 from MaxText.layers import pipeline
 
@@ -147,7 +147,8 @@ def compile_train_step(
     raise TrainingError(compiled_step.does_not_fit_line(*needed, chip, config)) from None
   seconds = time.time() - start
   phase("memory and cost analysis of the compiled step")
-  report = compiled_step.report(compiled, config, mesh, target, chip, seconds)
+  model_flops = objectives.get(config).flops().total
+  report = compiled_step.report(compiled, config, mesh, target, chip, seconds, model_flops)
   phase("done")
   return compiled, report, mesh
 

@@ -9,17 +9,20 @@ where segmentation 0 marks padding and positions restart at 0 in every packed do
   tfds       a prepared TFDS dataset read through tfds.data_source (dataset_path, dataset_name)
   hf         Hugging Face `datasets` on local files (hf_path, hf_data_dir, hf_train_files, hf_eval_files)
 
-The three text sources feed one Grain pipeline (text_pipeline.py): tokenize, pack, batch, global arrays. With
-use_sft their records are conversations (sft.py), and targets outside the loss get segmentation 0.
-`check(config)` validates paths and the tokenizer before a run writes anything, and reads records until one fits
+The three text sources feed one Grain pipeline (text_pipeline.py): tokenize, pack, batch, global arrays. What a
+record is comes from the training objective (MaxText/objectives/) as `Examples`: documents (a text column), or
+conversations and preference pairs (sft.py), whose targets outside the loss get segmentation 0.
+`check(config, examples)` validates paths and the tokenizer before a run writes anything, and reads records until one fits
 max_target_length: data of which none does is refused there, where the pipeline would read it forever for a batch.
 Paths are looked at with os.stat before anything opens them: a FIFO or /dev/zero is refused, never read.
 """
 
+import dataclasses
 import glob
 import json
 import logging
 import os
+from collections.abc import Callable
 
 import jax
 
@@ -29,16 +32,20 @@ from MaxText.input_pipeline import tokenizer
 from MaxText.input_pipeline.synthetic import SyntheticIterator
 
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
-RL_KEYS = ("advantages", "old_logprobs")  # use_rl's float32 entries (rl/rollouts.py builds the batches)
 
 
-def batch_keys(config: Config) -> tuple[str, ...]:
-  """The keys of a batch: BATCH_KEYS, or with use_dpo each of them for the chosen and the rejected responses."""
-  if config.use_dpo:
-    return tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in BATCH_KEYS)
-  if config.use_rl:
-    return (*BATCH_KEYS, *RL_KEYS)
-  return BATCH_KEYS
+@dataclasses.dataclass(frozen=True)
+class Examples:
+  """What a text source's records are to a training objective: documents (a text column, tokenized as it is), or,
+  with `transform`, the examples it makes of each record: transform(config, split) -> record -> the pieces
+  text_pipeline.make_dataset packs (sft.Conversation's, sft.Preference's). `name` is text_pipeline's kind of
+  example, and what messages call them ("no conversations fit max_target_length")."""
+
+  name: str
+  transform: Callable[[Config, str], Callable] | None = None
+
+
+DOCUMENTS = Examples("documents")
 
 
 def _files(key: str, pattern: str) -> list[str]:
@@ -239,16 +246,29 @@ def _text_key(config: Config, split: str) -> str | None:
   key = _columns_key(split)
   columns = getattr(config, key)
   if len(columns) != 1:
-    raise ConfigError(f"{key}={list(columns)}: a document is one text column; give one, or set use_sft=true")
+    raise ConfigError(f"{key}={list(columns)}: a document is one text column; give one, or set objective=sft")
   return None if config.dataset_type == "grain" else columns[0]
 
 
-def _conversation(config: Config, split: str):
+def conversations(config: Config, split: str):
   """The sft.Conversation transform of the split's records; raises ConfigError."""
+  return _fine_tuning(config, split, preferences=False)
+
+
+def preferences(config: Config, split: str):
+  """The sft.Preference transform of the split's records (preference pairs); raises ConfigError."""
+  return _fine_tuning(config, split, preferences=True)
+
+
+CONVERSATIONS = Examples("conversations", conversations)
+PREFERENCES = Examples("preferences", preferences)
+
+
+def _fine_tuning(config: Config, split: str, preferences: bool):
   from MaxText.input_pipeline import sft
 
   key = _columns_key(split)
-  if config.use_dpo:
+  if preferences:
     columns = sft.check_preference_columns(getattr(config, key), key)
   else:
     columns = sft.check_columns(getattr(config, key), key, config.use_chat_template)
@@ -256,7 +276,7 @@ def _conversation(config: Config, split: str):
   if config.use_chat_template:
     template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
     sft.compile_template(template)
-  return (sft.Preference if config.use_dpo else sft.Conversation)(
+  return (sft.Preference if preferences else sft.Conversation)(
     tokenizer_path=os.path.expanduser(config.tokenizer_path),
     tokenizer_type=config.tokenizer_type,
     columns=columns,
@@ -273,26 +293,25 @@ def _conversation(config: Config, split: str):
 CHECKED_RECORDS = 8
 
 
-def _check_split(config: Config, split: str) -> None:
+def _check_split(config: Config, split: str, examples: Examples) -> None:
   """Reads the records of this process's share of the split until one fits max_target_length (text_pipeline.Fits),
-  and at least CHECKED_RECORDS of them with use_sft / use_dpo: data of which none fits would be read forever
-  without a batch, so it is refused here, having been read once (one pass, as the run would have)."""
+  and at least CHECKED_RECORDS of them for examples made by a transform (conversations, preference pairs): data of
+  which none fits would be read forever without a batch, so it is refused here, having been read once (one pass,
+  as the run would have)."""
   from MaxText.input_pipeline import text_pipeline
 
   source = records(config, split)
   where = describe(config, split == "train")
-  fine_tuning = config.use_sft or config.use_dpo
+  fine_tuning = examples.transform is not None
   if fine_tuning:
-    transform = _conversation(config, split)
-    examples = "preferences" if config.use_dpo else "conversations"
+    transform = examples.transform(config, split)
   else:
     text_key, tokenize = _text_key(config, split), tokenizer.Tokenize.from_config(config)
     transform = lambda record: tokenize(_document(record, text_key, _columns_key(split)))  # noqa: E731
-    examples = "documents"
   share = range(jax.process_index(), len(source), jax.process_count())
   if not share:
     raise text_pipeline.no_records(where, jax.process_index(), jax.process_count())
-  fits = text_pipeline.Fits(config.max_target_length, examples, where)
+  fits = text_pipeline.Fits(config.max_target_length, examples.name, where)
   checked, kept = CHECKED_RECORDS if fine_tuning else 1, False
   for n, i in enumerate(share):
     record = source[i]
@@ -304,7 +323,7 @@ def _check_split(config: Config, split: str) -> None:
     if kept and n + 1 >= checked:
       return
   if not kept:
-    raise ConfigError(text_pipeline.nothing_fits(where, config.max_target_length, examples, fits.shortest))
+    raise ConfigError(text_pipeline.nothing_fits(where, config.max_target_length, examples.name, fits.shortest))
 
 
 def _document(record, text_key: str | None, key: str):
@@ -317,17 +336,15 @@ def _document(record, text_key: str | None, key: str):
   return record[text_key]
 
 
-def check(config: Config) -> None:
-  """Raises ConfigError for a missing data path, an empty glob, an unusable tokenizer, fine-tuning records the
-  configuration cannot read, or data of which no record fits max_target_length (before any write)."""
+def check(config: Config, examples: Examples = DOCUMENTS) -> None:
+  """Raises ConfigError for a missing data path, an empty glob, an unusable tokenizer, records the `examples`
+  transform cannot read, or data of which no record fits max_target_length (before any write)."""
   if config.dataset_type == "synthetic":
     return
   tokenizer.check_tokenizer(config)
-  if config.use_rl:  # prompts, which rl/rollouts.py reads and checks
-    return
-  _check_split(config, "train")
+  _check_split(config, "train", examples)
   if config.eval_interval > 0:
-    _check_split(config, "eval")
+    _check_split(config, "eval", examples)
     if config.eval_steps < 0 and jax.process_count() > 1:
       raise ConfigError(
         "eval_steps=-1 with several processes: their shares of the eval split may give different batch counts; "
@@ -335,23 +352,23 @@ def check(config: Config) -> None:
       )
 
 
-def create_iterator(config: Config, mesh, start_step: int = 0):
+def create_iterator(config: Config, mesh, start_step: int = 0, examples: Examples = DOCUMENTS):
   """The training iterator selected by `dataset_type`, positioned to yield the batch of `start_step`
   (text pipelines: at their start; a resumed run restores their saved state instead)."""
   if config.dataset_type == "synthetic":
     return SyntheticIterator(config, mesh, start_step)
-  return _text_iterator(config, mesh, "train")
+  return _text_iterator(config, mesh, "train", examples)
 
 
-def create_eval_iterator(config: Config, mesh):
+def create_eval_iterator(config: Config, mesh, examples: Examples = DOCUMENTS):
   """One pass over the evaluation split (synthetic: a fixed set of eval_steps batches)."""
   if config.dataset_type == "synthetic":
     # Rows from steps no training run reaches, so eval never sees a training batch.
     return SyntheticIterator(config, mesh, start_step=1 << 40, batch_size=config.eval_batch_size)
-  return _text_iterator(config, mesh, "eval")
+  return _text_iterator(config, mesh, "eval", examples)
 
 
-def _text_iterator(config: Config, mesh, split: str):
+def _text_iterator(config: Config, mesh, split: str, examples: Examples):
   from MaxText import sharding
   from MaxText.input_pipeline import text_pipeline
   from MaxText.input_pipeline.tokenizer import Tokenize
@@ -360,8 +377,8 @@ def _text_iterator(config: Config, mesh, split: str):
   batch = config.global_batch_size if train else config.eval_batch_size
   rows = sharding.local_rows(sharding.batch_sharding(mesh, config), (batch, config.max_target_length))
   source = records(config, split)
-  if config.use_sft or config.use_dpo:
-    tokenize, text_key = _conversation(config, split), None
+  if examples.transform is not None:
+    tokenize, text_key = examples.transform(config, split), None
   else:
     tokenize, text_key = Tokenize.from_config(config), _text_key(config, split)
   dataset = text_pipeline.make_dataset(
@@ -378,7 +395,7 @@ def _text_iterator(config: Config, mesh, split: str):
     shuffle=train,
     worker_count=config.grain_worker_count,
     packing=config.packing,
-    examples="preferences" if config.use_dpo else "conversations" if config.use_sft else "documents",
+    examples=examples.name,
     where=describe(config, train),
   )
   return text_pipeline.TextIterator(config, mesh, dataset, batch_size=batch)

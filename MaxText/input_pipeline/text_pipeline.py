@@ -12,7 +12,7 @@
        each piece to its own row instead
     -> batches of this process's rows -> one global jax.Array per key.
 
-Fine-tuning data (use_sft) takes another road from the record to the pieces: sft.Conversation renders and
+Fine-tuning data (objective=sft) takes another road from the record to the pieces: sft.Conversation renders and
 tokenizes a conversation with the mask of the tokens the loss sees, a conversation longer than max_target_length
 + 1 tokens is cut there (its end is lost, as in MaxText; one cut before any target in the loss is dropped), and
 targets outside the mask get segment id 0, so the loss skips them while attention still sees their tokens.

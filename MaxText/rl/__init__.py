@@ -1,4 +1,4 @@
-"""Reinforcement learning from verifiable rewards (use_rl, configs/rl.yml): GRPO and GSPO through train.py.
+"""Reinforcement learning from verifiable rewards (objective=rl, configs/rl.yml): GRPO and GSPO through train.py.
 
 rollouts.py  prompts -> num_generations completions each from the inference engine, on the training parameters
 rewards.py   the reward functions named in the config, and group-normalised advantages

@@ -73,7 +73,6 @@ MATH_TIMEOUT_S = 5
 ADVANTAGE_EPS = 1e-4
 # The config keys `check` reads.
 CONFIG_KEYS = (
-  "use_rl",
   "num_generations",
   "reward_functions",
   "reward_weights",
@@ -193,16 +192,17 @@ def _one_line(error: BaseException) -> str:
   return " ".join(str(error).split())
 
 
-def check(values: Mapping) -> None:
+def check(values: Mapping, needed_by: str | None) -> None:
   """pyconfig's checks of the reward keys from the raw config values (nothing imported): the names, the weights,
-  the format reward's regular expression, and that RL has a reward and groups to normalise it in."""
+  the format reward's regular expression, and, when a run trains with them (`needed_by`: how its config asks for RL,
+  e.g. "objective=rl"; None: rewards unused), that there is a reward and groups to normalise it in."""
   names, weights = list(values["reward_functions"]), list(values["reward_weights"])
-  if values["use_rl"] and not names:
+  if needed_by and not names:
     raise ConfigError(
-      "use_rl=true with reward_functions=[]: RL needs a reward; set e.g. reward_functions='[\"math\"]' (built-ins: "
+      f"{needed_by} with reward_functions=[]: RL needs a reward; set e.g. reward_functions='[\"math\"]' (built-ins: "
       f"{', '.join(BUILTINS)}) or '[\"my_module:my_reward\"]'"
     )
-  if values["use_rl"] and values["num_generations"] < 2:
+  if needed_by and values["num_generations"] < 2:
     raise ConfigError(
       f"num_generations={values['num_generations']}: GRPO's advantage compares each completion with the others of "
       "its prompt's group; set num_generations >= 2"
@@ -259,7 +259,7 @@ def _check_format_regex(regex: str) -> None:
 def load(config) -> list[Reward]:
   """The configured rewards, imported and weighed; one-line ConfigError for a module that does not import (or takes
   longer than reward_timeout_seconds to), a name it lacks, a non-callable, or the math reward without math-verify."""
-  check({key: getattr(config, key) for key in CONFIG_KEYS})
+  check({key: getattr(config, key) for key in CONFIG_KEYS}, None)  # (a run's need of them: pyconfig's check)
   names = list(config.reward_functions)
   weights = list(config.reward_weights) or [1.0] * len(names)
   limit = float(config.reward_timeout_seconds)

@@ -14,7 +14,7 @@ is SPMD), and every process holds the whole batch, from which each takes its sha
 
 A step's batch (rows = global_batch_size = prompts x num_generations, row r holding generation r % G of prompt r // G):
 the input_pipeline.BATCH_KEYS of prompt and completion (the stop token included: the policy learns to stop), the loss
-on completion targets only, plus "advantages" and "old_logprobs" (input_pipeline.RL_KEYS), [rows, max_target_length] float32.
+on completion targets only, plus ROLLOUT_KEYS ("advantages", "old_logprobs"), [rows, max_target_length] float32.
 """
 
 import dataclasses
@@ -36,6 +36,7 @@ from MaxText.layers import pipeline
 from MaxText.rl import rewards as rewards_lib
 
 PROMPT_COLUMNS = ("prompt", "question", "messages")
+ROLLOUT_KEYS = ("advantages", "old_logprobs")  # a batch's float32 entries, beside input_pipeline.BATCH_KEYS
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -298,7 +299,7 @@ class Rollouts:
     rows, length = self.config.global_batch_size, self.config.max_target_length
     out = {name: np.zeros((rows, length), np.int32) for name in ("inputs", "inputs_segmentation", "inputs_position")}
     out |= {name: np.zeros((rows, length), np.int32) for name in ("targets", "targets_segmentation")}
-    out |= {name: np.zeros((rows, length), np.float32) for name in input_pipeline.RL_KEYS}
+    out |= {name: np.zeros((rows, length), np.float32) for name in ROLLOUT_KEYS}
     for r, result in enumerate(rollout.results):
       prompt = [int(t) for t in rollout.prompts[r // self.generations]["tokens"]]
       completion = rollout.completion_tokens(result)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import input_pipeline, sharding, train
+from MaxText import input_pipeline, objectives, sharding, train
 from MaxText.common_types import ConfigError
 from MaxText.tests.helpers import BASE_YML, FUZZ_PARTS, config, deadline, fuzz_part, overrides
 from MaxText.tests.sft_test import _long_conversations, files  # noqa: F401 (a fixture)
@@ -185,8 +185,9 @@ def _outcome(cfg) -> tuple[str, str]:
   """(BATCH or ERROR, what): the first batch of the data layer train.py uses, or its ConfigError."""
   try:
     with deadline(20):
-      input_pipeline.check(cfg)
-      batch = next(input_pipeline.create_iterator(cfg, sharding.create_mesh(cfg, jax.devices()[:1])))
+      examples = objectives.get(cfg).examples  # the records as the run's objective reads them
+      input_pipeline.check(cfg, examples)
+      batch = next(input_pipeline.create_iterator(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), examples=examples))
   except ConfigError as e:
     return ERROR, str(e)
   keys = [k for k in batch if k.endswith("targets_segmentation")]

@@ -17,6 +17,7 @@ from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.layers import models
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import assert_sharded_decode_equals_one_device, config, train_batch
 
 TINY_DEEPSEEK = ("model_name=deepseek3-tiny", "max_target_length=32", "max_prefill_predict_length=16")
@@ -72,7 +73,7 @@ def test_decoding_from_the_latent_cache_equals_the_uncached_forward():
 
 def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
-  loss = lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
+  loss = lambda p: lm_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 

@@ -12,6 +12,7 @@ from MaxText import input_pipeline
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import sft, text_pipeline
+from MaxText.objectives import dpo as dpo_lib
 from MaxText.tests.helpers import config, metrics_losses
 from MaxText.tests.sft_test import CHATML, _sft_args, _train, _write_jsonl, assert_refused, files  # noqa: F401 (a fixture)
 
@@ -57,7 +58,7 @@ def _numpy_dpo(logits, reference_logits, batch):
   logp, ref_logp = log_softmax(logits), log_softmax(reference_logits)
   rows = targets.shape[0] // 2
   loss, grad = 0.0, np.zeros(logits.shape)
-  metrics = dict.fromkeys(["tokens", *step_lib.DPO_METRICS], 0.0)
+  metrics = dict.fromkeys(["tokens", *dpo_lib.METRICS], 0.0)
   for r in range(rows):
     for s in range(1, seg[r].max() + 1):
       where = {i: (seg[r + i * rows] == s) & mask[r + i * rows] for i in (0, 1)}
@@ -94,14 +95,14 @@ def test_dpo_loss_and_gradients_equal_a_float64_numpy_reference():
   reference_logits = logits + rng.standard_normal(logits.shape).astype(np.float32)
 
   def loss(x):
-    return step_lib.dpo_loss_from_logits(cfg, x, jnp.asarray(reference_logits), both)
+    return dpo_lib.dpo_loss_from_logits(cfg, x, jnp.asarray(reference_logits), both)
 
   (got_loss, aux), got_grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(logits))
   want_loss, want_metrics, want_grad = _numpy_dpo(logits, reference_logits, batch)
   assert want_metrics["tokens"] == int(aux["tokens"]) == 3
   assert 0 < want_metrics["dpo_reward_accuracy"] < 3, "the test wants pairs ranked both ways"
   np.testing.assert_allclose(float(got_loss), want_loss, rtol=1e-5)
-  for name in step_lib.DPO_METRICS:
+  for name in dpo_lib.METRICS:
     np.testing.assert_allclose(float(aux[name]), want_metrics[name], rtol=1e-5, atol=1e-6, err_msg=name)
   np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-4, atol=1e-7)
 
@@ -120,14 +121,14 @@ def test_dpo_starts_at_log_2_and_a_step_prefers_the_chosen(files):  # noqa: F811
   cfg = config("use_dpo=true", "dataset_type=hf", "vocab_size=512", "override_model_config=true")
   batch = next(iter(_pair_batches(files, 4, packing=False)))
   model, params = _model_and_params(cfg)
-  loss, aux = step_lib.dpo_loss_fn(model, params, params, batch, jax.random.key(0), deterministic=True)
+  loss, aux = dpo_lib.dpo_loss_fn(model, params, params, batch, jax.random.key(0), deterministic=True)
   assert int(aux["tokens"]) == 4
   np.testing.assert_allclose(float(loss), 4 * np.log(2), rtol=1e-6)
   assert float(aux["dpo_reward_margin"]) == 0.0
 
-  grads = jax.grad(lambda p: step_lib.dpo_loss_fn(model, p, params, batch, jax.random.key(0), True)[0])(params)
+  grads = jax.grad(lambda p: dpo_lib.dpo_loss_fn(model, p, params, batch, jax.random.key(0), True)[0])(params)
   stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
-  _, after = step_lib.dpo_loss_fn(model, stepped, params, batch, jax.random.key(0), deterministic=True)
+  _, after = dpo_lib.dpo_loss_fn(model, stepped, params, batch, jax.random.key(0), deterministic=True)
   assert float(after["dpo_reward_margin"]) > 0
 
 
@@ -194,7 +195,7 @@ def test_packed_and_unpacked_pairs_give_the_same_loss_and_gradients(files):  # n
 
   def summed(batches):
     def total(p):
-      losses = [step_lib.dpo_loss_fn(model, p, reference, b, jax.random.key(0), deterministic=True) for b in batches]
+      losses = [dpo_lib.dpo_loss_fn(model, p, reference, b, jax.random.key(0), deterministic=True) for b in batches]
       return sum(loss for loss, _ in losses), sum(aux["tokens"] for _, aux in losses)
 
     (loss, pairs), grads = jax.value_and_grad(total, has_aux=True)(params)

@@ -30,9 +30,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import families, sharding
-from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, pipeline
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.family_training_test import TRAINED, tiny_model
 from MaxText.tests.helpers import config, train_batch
 
@@ -84,7 +84,7 @@ def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg, mesh)
   if mesh is not None:
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-  grad = jax.value_and_grad(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
+  grad = jax.value_and_grad(lambda p, b: lm_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
   return jax.jit(grad)(params, batch)
 
 

@@ -13,6 +13,7 @@ from flax import linen as nn
 from MaxText import convert_hf_checkpoint, families, metrics
 from MaxText.layers import models
 from MaxText.layers.gemma3 import Gemma3DecoderLayer
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import BASE_YML, abstract_params, config
 
 torch = pytest.importorskip("torch")
@@ -127,7 +128,6 @@ def test_preset_parameter_count_equals_transformers(preset):
 def test_flash_attention_equals_dot_product():
   """attention=flash (blockwise on the CPU) gives dot_product's loss and gradients for 7 Gemma 3 layers in a scan
   (local and global windows, both RoPEs), with two packed documents in a row (float32)."""
-  from MaxText import step
   from MaxText.tests.helpers import train_batch
   from MaxText.tests.model_test import assert_grads_close
 
@@ -145,7 +145,7 @@ def test_flash_attention_equals_dot_product():
 
   def loss_and_grads(c):
     model = models.Transformer(c)
-    return jax.jit(jax.value_and_grad(lambda p: step.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))(
+    return jax.jit(jax.value_and_grad(lambda p: lm_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))(
       params
     )
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from MaxText import pyconfig
+from MaxText.objectives import lm as lm_lib
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,7 +85,6 @@ def assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol: float, grad_
   """The summed loss_fn of config `one` without a mesh and of `cfg` on all 8 devices (params replicated there), and
   every gradient: the loss within `rtol`, each gradient within grad_atol x the largest of its reference's entries."""
   from MaxText import sharding
-  from MaxText import step as step_lib
   from MaxText.layers import models
 
   def loss_and_grads(cfg, mesh):
@@ -92,7 +92,7 @@ def assert_mesh_loss_and_grads_equal(one, cfg, params, batch, rtol: float, grad_
     placed = (
       params if mesh is None else jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     )
-    grad = jax.value_and_grad(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
+    grad = jax.value_and_grad(lambda p, b: lm_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
     return jax.jit(grad)(placed, batch)
 
   loss1, grads1 = loss_and_grads(one, None)

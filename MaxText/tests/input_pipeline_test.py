@@ -13,6 +13,7 @@ import pytest
 
 from MaxText import train_tokenizer
 from MaxText.input_pipeline import text_pipeline
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, metrics_losses, run
 from MaxText.tests.helpers import overrides as overrides_of
 from MaxText.tests.sft_test import files  # noqa: F401 (a fixture)
@@ -68,7 +69,6 @@ def test_packing_places_every_token_once_in_order():
 def test_padding_is_masked_out_of_the_loss():
   import jax
 
-  from MaxText import step as step_lib
   from MaxText.layers import models
 
   cfg = config("max_target_length=8", "vocab_size=256", "override_model_config=true")
@@ -76,10 +76,10 @@ def test_padding_is_masked_out_of_the_loss():
   assert (batch["targets_segmentation"] == 0).any(), "the test needs a padded row"
   model = models.Transformer(cfg)
   params = model.init({"params": jax.random.key(0)}, *models.init_inputs(1, 8))["params"]
-  loss, aux = step_lib.loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
+  loss, aux = lm_lib.loss_fn(model, params, batch, jax.random.key(0), deterministic=True)
   tokens = aux["tokens"]
   garbage = dict(batch, targets=np.where(batch["targets_segmentation"] == 0, 255, batch["targets"]))
-  loss_garbage, _ = step_lib.loss_fn(model, params, garbage, jax.random.key(0), deterministic=True)
+  loss_garbage, _ = lm_lib.loss_fn(model, params, garbage, jax.random.key(0), deterministic=True)
   assert int(tokens) == int((batch["targets_segmentation"] != 0).sum())
   np.testing.assert_array_equal(loss, loss_garbage)
 
@@ -216,11 +216,12 @@ def test_bad_data_input_exits_2_with_one_line_and_writes_nothing(tmp_path, text_
 def _first_batch(cfg):
   import jax
 
-  from MaxText import input_pipeline, sharding
+  from MaxText import input_pipeline, objectives, sharding
 
   mesh = sharding.create_mesh(cfg, jax.devices()[:1])
-  input_pipeline.check(cfg)
-  return {k: np.asarray(v) for k, v in next(input_pipeline.create_iterator(cfg, mesh)).items()}
+  examples = objectives.get(cfg).examples  # What the run's objective reads its records as (train.py's way).
+  input_pipeline.check(cfg, examples)
+  return {k: np.asarray(v) for k, v in next(input_pipeline.create_iterator(cfg, mesh, examples=examples)).items()}
 
 
 @pytest.mark.slow
@@ -258,15 +259,16 @@ def _assert_resumes_exactly(cfg, after=3):
   """A fresh iterator set to the state saved after `after` batches yields what the first one yields next."""
   import jax
 
-  from MaxText import input_pipeline, sharding
+  from MaxText import input_pipeline, objectives, sharding
 
   mesh = sharding.create_mesh(cfg, jax.devices()[:1])
-  first = input_pipeline.create_iterator(cfg, mesh)
+  examples = objectives.get(cfg).examples
+  first = input_pipeline.create_iterator(cfg, mesh, examples=examples)
   for _ in range(after):
     next(first)
   state = json.loads(json.dumps(first.get_state()))  # As a checkpoint stores it.
   expected = [jax.device_get(next(first)) for _ in range(2)]
-  second = input_pipeline.create_iterator(cfg, mesh)
+  second = input_pipeline.create_iterator(cfg, mesh, examples=examples)
   second.set_state(state)
   for want in expected:
     got = jax.device_get(next(second))

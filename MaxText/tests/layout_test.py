@@ -4,7 +4,8 @@ subpackage, `<package>_<name>_test.py` also counts: rl/loss.py in rl_loss_test.p
 - TESTED_IN: the test files that import it or run it as a file (they name its path), for a module whose tests live
   beside a larger subject's (the inference engine's pages and sampling in engine_test.py) or are shared;
 - THROUGH: the public module that the tests call for it, for the parts of one (pyconfig's parse, derive and
-  validate; the attention kernels behind layers/attention_kernels.py);
+  validate; the attention kernels behind layers/attention_kernels.py; the modules of the checkpointing package,
+  whose names its __init__ gives);
 - a model family's two modules (families/<name>.py and the decoder layer it registers) are tested through the
   registry: every registered family's Hugging Face examples run against transformers (hf_checkpoint_test.py), and
   it must have one.
@@ -56,13 +57,24 @@ TESTED_IN = {
   "MaxText.rl.rollouts": ("rl_test.py",),
   "MaxText.script_path": ("cli_test.py",),
   "MaxText.standalone_dataloader": ("cli_test.py",),
-  "MaxText.step": ("train_test.py", "sft_test.py", "dpo_test.py", "rl_loss_test.py"),
+  "MaxText.objectives.base": ("objectives_test.py",),
+  "MaxText.objectives.lm": ("objectives_test.py", "model_test.py", "input_pipeline_test.py"),
+  "MaxText.objectives.losses": ("train_test.py", "rl_loss_test.py", "sft_test.py"),
+  "MaxText.step": ("train_test.py", "dpo_test.py", "objectives_test.py"),
   "MaxText.storage": ("gcs_test.py", "cli_test.py"),
   "MaxText.tpu_topology": ("train_compile_test.py",),
   "MaxText.train_tokenizer": ("tokenizer_test.py", "detokenize_test.py", "hf_checkpoint_test.py"),
 }
 
 THROUGH = {
+  "MaxText.checkpointing.adapters": ("MaxText.checkpointing", ("checkpointing_test.py", "lora_test.py")),
+  "MaxText.checkpointing.compatible": ("MaxText.checkpointing", ("checkpointing_test.py", "lora_test.py")),
+  "MaxText.checkpointing.damage": ("MaxText.checkpointing", ("checkpointing_test.py",)),
+  "MaxText.checkpointing.disk": ("MaxText.checkpointing", ("checkpointing_test.py",)),
+  "MaxText.checkpointing.paths": ("MaxText.checkpointing", ("checkpointing_test.py",)),
+  "MaxText.checkpointing.processes": ("MaxText.checkpointing", ("checkpointing_test.py",)),
+  "MaxText.checkpointing.restore": ("MaxText.checkpointing", ("checkpointing_test.py", "lora_test.py")),
+  "MaxText.checkpointing.save": ("MaxText.checkpointing", ("checkpointing_test.py", "lora_test.py")),
   "MaxText.config_parse": ("MaxText.pyconfig", ("pyconfig_test.py", "fuzz_config_test.py")),
   "MaxText.config_derive": ("MaxText.pyconfig", ("pyconfig_test.py", "fuzz_config_test.py")),
   "MaxText.config_validate": ("MaxText.pyconfig", ("pyconfig_test.py", "fuzz_config_test.py")),
@@ -147,7 +159,8 @@ def test_the_named_files_test_the_module(module):
 @pytest.mark.parametrize("module", sorted(THROUGH))
 def test_the_public_module_uses_the_part_its_tests_call(module):
   public, test_files = THROUGH[module]
-  path = os.path.join(REPO_ROOT, *public.split(".")) + ".py"
+  path = os.path.join(REPO_ROOT, *public.split("."))
+  path = os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"  # a package: its __init__.py
   assert module in imported(path), f"{public} does not import {module}"
   absent = [t for t in test_files if public not in imported(os.path.join(TESTS, t))]
   assert not absent, f"{absent} do not import {public}"

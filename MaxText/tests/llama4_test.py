@@ -13,10 +13,10 @@ import pytest
 from flax import linen as nn
 
 from MaxText import convert_hf_checkpoint, families, metrics
-from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import embeddings, models
 from MaxText.layers.attention_masks import Tokens
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import BASE_YML, abstract_params, config, train_batch
 
 # Published sizes in billions (total, active): Meta's model cards. Scout's 109B total counts its vision encoder too,
@@ -152,7 +152,7 @@ def test_preset_parameter_counts_equal_transformers(preset):
 
 def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
-  loss = lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
+  loss = lambda p: lm_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)  # noqa: E731
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 

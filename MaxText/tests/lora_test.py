@@ -14,6 +14,7 @@ from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import config, train_batch
 
 LORA = ("lora_rank=4", "lora_alpha=8")
@@ -129,7 +130,7 @@ def test_lora_training_equals_training_the_merged_low_rank_update():
 
   def merged_loss(adapters):
     params = lora.merge(lora.combine(adapters, base), cfg)
-    loss, aux = step_lib.loss_fn(plain, params, batch, jax.random.key(0), deterministic=True)
+    loss, aux = lm_lib.loss_fn(plain, params, batch, jax.random.key(0), deterministic=True)
     return loss / aux["tokens"]
 
   grads = jax.grad(merged_loss)(adapters)
@@ -168,13 +169,12 @@ def test_target_modules_naming_nothing_are_refused_with_lora_off_too(targets, na
 
 
 def test_dpo_under_lora_refuses_to_start_from_trained_adapters(tmp_path):
-  """Its reference would be the base, not the starting policy."""
-  from MaxText import checkpointing
+  """Its reference would be the base, not the starting policy: refused by the objective's checks at the start."""
+  from MaxText import objectives
 
   cfg = config(*LORA, "use_dpo=true", "dataset_type=hf", f"hf_lora_adapter_path={tmp_path}")
-  _, _, _, _, layout = step_lib.build(cfg, jax.devices()[:1])
-  with pytest.raises(ConfigError, match="use_dpo=true under LoRA compares with the base model"):
-    checkpointing.check_start_paths(cfg, layout)
+  with pytest.raises(ConfigError, match="objective=dpo under LoRA compares with the base model"):
+    objectives.get(cfg).check_start()
 
 
 def test_target_modules_that_name_no_projection_are_refused():

@@ -7,9 +7,9 @@ import pytest
 from flax import linen as nn
 
 from MaxText import cli
-from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import embeddings, models
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import config
 
 
@@ -121,7 +121,7 @@ def assert_grads_close(actual, expected, name=""):
 
 def _loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
-  fn = jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p: lm_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
   return fn(params)
 
 
@@ -170,7 +170,7 @@ def test_cpu_compiler_options_keep_loss_and_grads():
   cfg = config("max_target_length=32")
   _, params = _init(cfg)
   model, batch = models.Transformer(cfg), _batch(cfg)
-  fn = jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p: lm_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True)[0]))
   tuned = fn.lower(params).compile({"xla_cpu_experimental_ynn_fusion_type": cli.CPU_YNN_FUSIONS})
   (loss, grads), (ref_loss, ref_grads) = tuned(params), fn(params)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)

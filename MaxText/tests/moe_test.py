@@ -10,9 +10,9 @@ import pytest
 from flax import linen as nn
 
 from MaxText import families, metrics, train
-from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, moe
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import config, train_batch
 
 # A tiny Mixtral: 4 experts, top-2, experts 48 wide; float32 with exact matmuls (helpers.TINY).
@@ -159,7 +159,7 @@ def test_load_balance_loss_of_a_uniform_router_is_k_and_matches_transformers():
 def _model_loss_and_grads(cfg, params, batch):
   model = models.Transformer(cfg)
   fn = jax.jit(
-    jax.value_and_grad(lambda p: step_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True), has_aux=True)
+    jax.value_and_grad(lambda p: lm_lib.loss_fn(model, p, batch, jax.random.key(0), deterministic=True), has_aux=True)
   )
   return fn(params)
 

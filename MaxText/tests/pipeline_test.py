@@ -16,6 +16,7 @@ from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, pipeline
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import (
   assert_mesh_loss_and_grads_equal,
   assert_trees_equal,
@@ -198,7 +199,7 @@ def test_iterations_checkpointed_in_chunks_give_the_same_loss_and_gradients(monk
   model = models.Transformer(cfg, mesh)
 
   def loss_and_grads():
-    grad = jax.value_and_grad(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
+    grad = jax.value_and_grad(lambda p, b: lm_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
     return jax.device_get(jax.jit(grad)(params, batch))
 
   want = loss_and_grads()

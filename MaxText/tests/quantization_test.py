@@ -20,6 +20,7 @@ from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.layers import models, quantizations
 from MaxText.layers.linears import DenseGeneral
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, overrides, run, train_batch
 
 pytest.importorskip("qwix")
@@ -133,7 +134,7 @@ def _quantized_modules(cfg) -> set[str]:
   model = quantizations.quantize_model(models.Transformer(cfg, None), cfg)
   abstract = jax.eval_shape(lambda: model.init({"params": jax.random.key(0)}, *models.init_inputs(1, 8)))["params"]
   params = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), nn.unbox(abstract))
-  grad = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[0]))
+  grad = jax.jit(jax.value_and_grad(lambda p, b: lm_lib.loss_fn(model, p, b, jax.random.key(0), True)[0]))
   hlo = grad.lower(params, train_batch(cfg)).compile().as_text()
   paths = set()
   for kind, op_name in re.findall(r"= (\w+)\[[^\n]* (?:dot|ragged-dot)\([^\n]*op_name=\"([^\"]*)\"", hlo):
@@ -182,7 +183,7 @@ def _loss_and_grads(cfg, params, batch, devices):
   model = quantizations.quantize_model(models.Transformer(cfg, mesh), cfg)
   if mesh is not None:
     params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  grad = jax.value_and_grad(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
+  grad = jax.value_and_grad(lambda p, b: lm_lib.loss_fn(model, p, b, jax.random.key(0), True)[0])
   return jax.jit(grad)(params, batch)
 
 

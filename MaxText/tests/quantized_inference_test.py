@@ -23,6 +23,7 @@ from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.layers import models, quantizations
+from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import BASE_YML, assert_trees_equal, config, overrides
 
 DEMO = os.path.expanduser("~/maxtext_data/demo")
@@ -137,7 +138,7 @@ def test_weight_only_decode_gives_the_float_models_greedy_tokens_on_most_prompts
 def _perplexity(cfg, params, batches) -> float:
   """exp(mean cross-entropy per target token) of the model of `cfg` (quantized as it says) over `batches`."""
   model = quantizations.quantize_model(models.Transformer(cfg), cfg)
-  loss = jax.jit(lambda p, b: step_lib.loss_fn(model, p, b, jax.random.key(0), True)[1])
+  loss = jax.jit(lambda p, b: lm_lib.loss_fn(model, p, b, jax.random.key(0), True)[1])
   total, tokens = 0.0, 0
   for batch in batches:
     aux = loss(params, batch)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import step as step_lib
+from MaxText.objectives import losses as losses_lib
 from MaxText.rl import loss as rl_loss
 
 EPS, EPS_HIGH, BETA = 0.2, 0.28, 0.1
@@ -258,19 +258,19 @@ def test_token_logps_and_entropy_equal_numpy(num_tokens):
   want_grad[..., :kept] = w[..., None] * (np.eye(kept)[targets] - np.exp(logp))
   want_entropy = -np.sum(np.where(mask, np.sum(np.exp(logp) * logp, axis=-1), 0.0))
 
-  got, vjp = jax.vjp(lambda x: step_lib.token_logps(x, jnp.asarray(targets), num_tokens), jnp.asarray(logits))
+  got, vjp = jax.vjp(lambda x: losses_lib.token_logps(x, jnp.asarray(targets), num_tokens), jnp.asarray(logits))
   (got_grad,) = vjp(jnp.asarray(w, jnp.float32))
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(got_grad, want_grad, rtol=RTOL, atol=ATOL)
-  entropy = step_lib.entropy_sum(jnp.asarray(logits), jnp.asarray(mask), num_tokens)
+  entropy = losses_lib.entropy_sum(jnp.asarray(logits), jnp.asarray(mask), num_tokens)
   np.testing.assert_allclose(entropy, want_entropy, rtol=RTOL, atol=ATOL)
-  assert np.all(jax.grad(lambda x: step_lib.entropy_sum(x, mask, num_tokens))(jnp.asarray(logits)) == 0)
+  assert np.all(jax.grad(lambda x: losses_lib.entropy_sum(x, mask, num_tokens))(jnp.asarray(logits)) == 0)
 
 
 def test_token_outside_vocabulary_has_no_probability():
   logits = jnp.zeros((1, 2, 6))
-  got = step_lib.token_logps(logits, jnp.array([[4, 1]]), num_tokens=4)
+  got = losses_lib.token_logps(logits, jnp.array([[4, 1]]), num_tokens=4)
   assert got[0, 0] == -jnp.inf
   np.testing.assert_allclose(got[0, 1], -np.log(4), rtol=RTOL)
 

@@ -26,6 +26,8 @@ from MaxText.common_types import ConfigError, TrainingError
 from MaxText.inference import engine as engine_lib
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.layers import models
+from MaxText.objectives import losses as losses_lib
+from MaxText.objectives import rl as rl_objective
 from MaxText.rl import rollouts as rollouts_lib
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, deadline, free_port, metrics_losses, metrics_values, run
 from MaxText.tests.helpers import overrides as overrides_of
@@ -105,7 +107,7 @@ def _start(cfg, devices=1):
 
 def _logps(model, params, batch, num_tokens, temperature=1.0):
   logits = model.apply({"params": params}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
-  return np.asarray(step_lib.token_logps(logits / temperature, batch["targets"], num_tokens))
+  return np.asarray(losses_lib.token_logps(logits / temperature, batch["targets"], num_tokens))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -252,7 +254,7 @@ def _mean_loss(model, num_tokens):
   """(params, batch) -> rl_loss_fn's loss over its denominator, off-policy, the params their own reference."""
 
   def loss(params, batch):
-    total, aux = step_lib.rl_loss_fn(
+    total, aux = rl_objective.rl_loss_fn(
       model, params, params, batch, jax.random.key(0), True, on_policy=False, num_tokens=num_tokens
     )
     return total / aux["tokens"]

@@ -11,6 +11,8 @@ from MaxText import train_tokenizer
 from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import sft, text_pipeline
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.objectives import losses as losses_lib
+from MaxText.objectives import sft as sft_objective
 from MaxText.tests.helpers import BASE_YML, config, deadline, run
 from MaxText.tests.helpers import overrides as overrides_of
 
@@ -225,15 +227,13 @@ def _per_token_losses(model, params, batches):
   import jax
   import jax.numpy as jnp
 
-  from MaxText import step as step_lib
-
   losses, grads = {}, None
   for batch in batches:
 
     def total(p, batch=batch):
       logits, _ = model.apply({"params": p}, batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"],
                               deterministic=True, mutable=["intermediates"])  # fmt: skip
-      per_token = jnp.where(batch["targets_segmentation"] != 0, step_lib.cross_entropy(logits, batch["targets"]), 0.0)
+      per_token = jnp.where(batch["targets_segmentation"] != 0, losses_lib.cross_entropy(logits, batch["targets"]), 0.0)
       return jnp.sum(per_token), per_token
 
     (_, per_token), g = jax.value_and_grad(total, has_aux=True)(params)
@@ -416,15 +416,34 @@ def _hf_sft_config(files, path, *extra):
 
 
 def _first_batch_or_error(cfg, check=True):
-  """The first batch of the data layer train.py uses (check(), then create_iterator), within a deadline."""
+  """The first batch of the data layer train.py uses (check(), then create_iterator, with the objective's
+  examples), within a deadline."""
   import jax
 
-  from MaxText import input_pipeline, sharding
+  from MaxText import input_pipeline, objectives, sharding
 
+  examples = objectives.get(cfg).examples
   with deadline(60):
     if check:
-      input_pipeline.check(cfg)
-    return next(input_pipeline.create_iterator(cfg, sharding.create_mesh(cfg, jax.devices()[:1])))
+      input_pipeline.check(cfg, examples)
+    return next(input_pipeline.create_iterator(cfg, sharding.create_mesh(cfg, jax.devices()[:1]), examples=examples))
+
+
+def test_the_sft_objective_checks_its_conversations_before_the_run(files, tmp_path):
+  """objective=sft and MaxText's use_sft=true are one objective, whose records are conversations: a record that is
+  not one is refused by its start checks (train.py runs them before writing anything), naming the record."""
+  from MaxText import objectives
+
+  records = _records(6)
+  _write_jsonl(tmp_path / "train.jsonl", records)
+  for keys in (("use_sft=true",), ("use_sft=false", "objective=sft")):
+    objective = objectives.get(_hf_sft_config(files, tmp_path / "train.jsonl", *keys))
+    assert type(objective) is sft_objective.SupervisedFineTuning and objective.examples.name == "conversations"
+    objective.check_start()
+  records[2] = {"messages": [{"role": "user", "content": "hello"}]}
+  _write_jsonl(tmp_path / "train.jsonl", records)
+  with pytest.raises(ConfigError, match=r"^train_data_columns: a conversation has no assistant turn.*\(record 3 of"):
+    objectives.get(_hf_sft_config(files, tmp_path / "train.jsonl", "objective=sft")).check_start()
 
 
 def test_data_of_which_no_record_fits_is_one_error_not_a_spin(files, tmp_path):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from MaxText import compiled_step, train
-from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
+from MaxText.objectives import losses as losses_lib
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config, flip_a_stored_bit, run
 from MaxText.tests.helpers import overrides as overrides_of
 
@@ -36,7 +36,7 @@ def test_cross_entropy_equals_a_float64_reference(dtype):
   logits = jax.numpy.asarray(rng.normal(0, 4, (2, 5, 37)), dtype)
   targets = rng.integers(0, 37, (2, 5))
   weights = rng.uniform(0, 1, (2, 5)) * (rng.uniform(size=(2, 5)) > 0.3)
-  values, grad = jax.value_and_grad(lambda x: jax.numpy.sum(weights * step_lib.cross_entropy(x, targets)))(logits)
+  values, grad = jax.value_and_grad(lambda x: jax.numpy.sum(weights * losses_lib.cross_entropy(x, targets)))(logits)
 
   x = np.asarray(logits.astype("float32"), np.float64)
   lse = np.log(np.sum(np.exp(x - x.max(-1, keepdims=True)), -1)) + x.max(-1)
@@ -44,7 +44,7 @@ def test_cross_entropy_equals_a_float64_reference(dtype):
   softmax = np.exp(x - lse[..., None])
   expected_grad = weights[..., None] * (softmax - (np.arange(37) == targets[..., None]))
   assert grad.dtype == logits.dtype
-  np.testing.assert_allclose(np.asarray(step_lib.cross_entropy(logits, targets)), xent, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(losses_lib.cross_entropy(logits, targets)), xent, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(float(values), np.sum(weights * xent), rtol=1e-6)
   grad_tol = 1e-6 if dtype == "float32" else 2**-8
   np.testing.assert_allclose(np.asarray(grad.astype("float32")), expected_grad, rtol=grad_tol, atol=grad_tol * 1e-2)
@@ -360,33 +360,6 @@ def test_profiler_and_tensorboard_outputs(tmp_path):
   tensorboard = tmp_path / "test" / "tensorboard"
   assert list(tensorboard.glob("events.out.tfevents.*")), "no TensorBoard event file"
   assert list(tensorboard.rglob("*.xplane.pb")), "no profiler trace"
-
-
-@pytest.mark.mesh
-def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
-  """train.evaluate (jitted, sharded over 2 devices) = float64 mean of unjitted per-batch loss sums."""
-  from flax import linen as nn
-
-  from MaxText import input_pipeline, sharding
-  from MaxText.layers import models
-
-  cfg = config("eval_interval=1", "eval_steps=3", "eval_per_device_batch_size=2", "ici_fsdp_parallelism=2", num_devices=2)
-  mesh = sharding.create_mesh(cfg, jax.devices()[:2])
-  model = models.Transformer(cfg, mesh)
-  boxed = models.Transformer(cfg).init({"params": jax.random.key(1)}, *models.init_inputs(1, cfg.max_target_length))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  params = jax.device_put(nn.meta.unbox(boxed)["params"], replicated)
-  eval_fn = jax.jit(lambda p, r, b: step_lib.eval_step(model, p, r, b))
-  got = train.evaluate(cfg, mesh, eval_fn, state_lib.TrainState(step=0, params=params, opt_state=None), step=0)
-  total, tokens = 0.0, 0
-  for i, batch in enumerate(input_pipeline.create_eval_iterator(cfg, mesh)):
-    if i == 3:
-      break
-    loss_sum, count, _ = step_lib.eval_step(models.Transformer(cfg), params, None, jax.device_get(batch))
-    total, tokens = total + float(loss_sum), tokens + int(count)
-  assert got["eval/total_weights"] == tokens == 3 * 4 * cfg.max_target_length
-  np.testing.assert_allclose(got["eval/avg_loss"], total / tokens, rtol=1e-6)
-  np.testing.assert_allclose(got["eval/perplexity"], np.exp(total / tokens), rtol=1e-6)
 
 
 def test_reuse_example_batch_trains_on_the_first_batch_every_step():
