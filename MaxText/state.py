@@ -4,9 +4,10 @@ Parameters are never materialised whole on one host: `jax.eval_shape` gives the 
 logical axes, `logical_axis_rules` turn those into shardings, and a jitted init with out_shardings
 creates every array already in place.
 
-Under a circular pipeline the state holds the pipelined layers stage-major (layers/pipeline.py, to_stored): the
-train state that init_state and state_from_params make is in that order, the same shapes and shardings as the
-natural one; checkpointing/ (save.py, restore.py) permutes at every save and restore, so checkpoints keep the natural order.
+Under a circular pipeline the state holds the pipelined layers stage-major (layers/pipeline.py): the train state that
+init_state and state_from_params make is in that order, the same shapes and shardings as the natural one. `LayerOrder`
+is the one adapter between the two orders: the step views the state through it, checkpointing/ permutes through it at
+every save and restore (so checkpoints keep the natural order), and RL's rollouts decode through it.
 """
 
 import dataclasses
@@ -149,9 +150,9 @@ def abstract_params(config: Config) -> dict:
 
 def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
   """A fresh train state from init_weights_seed, created directly with its shardings (in the stored order,
-  pipeline.to_stored: the natural init's values, permuted)."""
+  LayerOrder.store: the natural init's values, permuted)."""
   init = jax.jit(
-    lambda rng: pipeline.to_stored(config, nn.meta.unbox(_boxed_state(model, config, tx, rng, keeps_reference(layout)))),
+    lambda rng: LayerOrder(config).store(nn.meta.unbox(_boxed_state(model, config, tx, rng, keeps_reference(layout)))),
     out_shardings=layout.shardings,
   )
   rng = jax.random.key(config.init_weights_seed)
@@ -172,10 +173,10 @@ def init_adapters(model, config: Config, layout: StateLayout) -> dict:
 
 def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainState:
   """A train state at step 0 around given params in the natural order (restored ones): a fresh optimizer state
-  (and with a reference model, the params again as it), in the stored order (pipeline.to_stored)."""
+  (and with a reference model, the params again as it), in the stored order (LayerOrder.store)."""
 
   def fresh(p):
-    p = pipeline.to_stored(config, p)
+    p = LayerOrder(config).store(p)
     return TrainState(
       step=jax.numpy.zeros((), jax.numpy.int32),
       params=p,
@@ -186,18 +187,38 @@ def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainS
   return jax.jit(fresh, out_shardings=layout.shardings)(params)
 
 
-def in_stored_order(config: Config, tree):
-  """`tree` (arrays on the devices in the natural layer order: a restored train state) in the stored order
-  (pipeline.to_stored), each array keeping its sharding; its buffers are given up (donated). `tree` itself when the
-  orders are the same (no circular pipeline)."""
-  return _reordered(config, tree, to_stored=True)
+@dataclasses.dataclass(frozen=True)
+class LayerOrder:
+  """The one adapter between the train state's layer order and the natural one. A circular pipeline's state holds
+  its pipelined layers stage-major (layers/pipeline.py: pipeline.stores_stage_major); the model's loss, checkpoints,
+  decoding and RL's rollouts take them in the natural order. For every other config each method is the identity.
 
+    view(tree)     traced, inside a jitted function: stored -> natural, a reshape and a transpose that XLA folds into
+                   the pipeline's own view of its layers (no data moves)
+    store(tree)    traced: natural -> stored
+    natural(tree)  arrays on the devices: a natural-order copy, each array keeping its sharding (checkpoints, decoding)
+    stored(tree)   arrays on the devices: in the stored order, each keeping its sharding, their buffers donated (a
+                   restored state)
+  """
 
-def in_natural_order(config: Config, tree):
-  """The arrays of a train state (or its params) on the devices in the natural layer order (pipeline.to_natural), as
-  checkpoints and decoding take them: a new copy, each array keeping its sharding, or `tree` itself when the orders
-  are the same."""
-  return _reordered(config, tree, to_stored=False)
+  config: Config
+
+  @property
+  def permuted(self) -> bool:
+    """Whether the two orders differ."""
+    return pipeline.stores_stage_major(self.config)
+
+  def view(self, tree):
+    return pipeline.to_natural(self.config, tree)
+
+  def store(self, tree):
+    return pipeline.to_stored(self.config, tree)
+
+  def natural(self, tree):
+    return _reordered(self.config, tree, to_stored=False)
+
+  def stored(self, tree):
+    return _reordered(self.config, tree, to_stored=True)
 
 
 def _reordered(config: Config, tree, to_stored: bool):

@@ -20,7 +20,7 @@ from flax import traverse_util
 from MaxText import cli, compiled_step, lora, objectives, optimizers, sharding
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
-from MaxText.layers import models, pipeline, quantizations
+from MaxText.layers import models, quantizations
 
 
 # ---------------------------------------------------------------------------------------------- MoE routing
@@ -47,12 +47,12 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   """
   objective = objectives.get(config)
   dropout_rng = jax.random.fold_in(jax.random.key(config.init_weights_seed), state.step)
-  # The state holds a circular pipeline's layers stage-major (layers/pipeline.py); the model takes them in the
-  # natural order. The view is a reshape and a transpose that XLA folds into the pipeline's own [S, R, LPS] view of
-  # them: no data moves (pipeline_test compiles the step to check).
-  natural = functools.partial(pipeline.to_natural, config)
+  # The state holds a circular pipeline's layers stage-major; the model takes them in the natural order, through
+  # the state's one adapter (state.LayerOrder): a view XLA folds into the pipeline's own (pipeline_test compiles the
+  # step to check that no data moves).
+  order = state_lib.LayerOrder(config)
   loss = functools.partial(
-    objective.loss, model, reference_params=natural(state.reference_params), step=state.step, num_tokens=num_tokens
+    objective.loss, model, reference_params=order.view(state.reference_params), step=state.step, num_tokens=num_tokens
   )
   # Gradients of the trainable parameters only: under LoRA the adapters, the frozen base a constant.
   trainable = state_lib.trainable(config, state.params)
@@ -61,7 +61,7 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   def full(p):
     return p if frozen is None else lora.combine(p, frozen)
 
-  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=natural(full(p)), batch=b, dropout_rng=r), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, b, r: loss(params=order.view(full(p)), batch=b, dropout_rng=r), has_aux=True)
   k = config.gradient_accumulation_steps
   if k == 1:
     (loss_sum, aux), grads = grad_fn(trainable, batch, dropout_rng)
@@ -79,7 +79,7 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     aux_shapes = jax.eval_shape(
-      lambda p, b: loss(params=natural(p), batch=b, dropout_rng=dropout_rng)[1], state.params, first
+      lambda p, b: loss(params=order.view(p), batch=b, dropout_rng=dropout_rng)[1], state.params, first
     )
     aux_zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
     init = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
@@ -91,8 +91,8 @@ def train_step(model, config: Config, tx, schedule, state: state_lib.TrainState,
   updates, opt_state = tx.update(grads, state.opt_state, trainable)
   params = full(optax.apply_updates(trainable, updates))
   if "moe_expert_counts" in aux:  # summed over the micro-batches: the step's whole batch
-    bias = update_routing_bias(natural(params), aux["moe_expert_counts"], config.routed_bias_update_rate)
-    params = pipeline.to_stored(config, bias)  # (the counts are per layer in the natural order)
+    bias = update_routing_bias(order.view(params), aux["moe_expert_counts"], config.routed_bias_update_rate)
+    params = order.store(bias)  # (the counts are per layer in the natural order)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   step_metrics = {
     "learning/loss": loss_sum / denominator,
@@ -194,9 +194,9 @@ def jit_eval_step(config: Config, mesh, model, layout: state_lib.StateLayout) ->
   """eval_step jitted for `mesh`: (params, reference params, batch) -> (loss sum, weight, {metric: sum}), of
   the train state's params (a circular pipeline's layers stage-major, viewed in the natural order as train_step
   does)."""
-  natural = functools.partial(pipeline.to_natural, config)
+  order = state_lib.LayerOrder(config)
   return jax.jit(
-    lambda p, r, b: eval_step(model, natural(p), natural(r), b),
+    lambda p, r, b: eval_step(model, order.view(p), order.view(r), b),
     in_shardings=(layout.shardings.params, layout.shardings.reference_params, sharding.batch_sharding(mesh, config)),
     out_shardings=sharding.logical_sharding((), mesh, config),
   )

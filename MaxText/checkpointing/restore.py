@@ -10,7 +10,7 @@
 A checkpoint is checked against the config first (compatible.py), restored in its stored dtypes, verified against
 its checksums (damage.py), then cast; on resume a checkpoint that cannot be read or fails verification is skipped, with
 the reason in the log, for the newest one that verifies. Every restore into a circular pipeline's train state
-permutes its pipelined layers into their stored, stage-major order (state.in_stored_order), so checkpoints move
+permutes its pipelined layers into their stored, stage-major order (state.LayerOrder.stored), so checkpoints move
 freely between pipelined and plain runs.
 """
 
@@ -36,10 +36,9 @@ from MaxText.checkpointing.processes import _all_processes_agree
 from MaxText.common_types import Config, ConfigError
 from MaxText.layers import models, quantizations
 from MaxText.state import (
+  LayerOrder,
   StateLayout,
   TrainState,
-  in_natural_order,
-  in_stored_order,
   init_adapters,
   init_state,
   params_layout,
@@ -64,7 +63,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
     return start
   if config.load_full_state_path:
     path = items_path("load_full_state_path", config.load_full_state_path)
-    return StartingPoint(in_stored_order(config, _restore_tree(path, layout.abstract)), f"full state from {path}")
+    return StartingPoint(LayerOrder(config).stored(_restore_tree(path, layout.abstract)), f"full state from {path}")
   if config.load_parameters_path:
     path = items_path("load_parameters_path", config.load_parameters_path)
     params = _restore_tree(path, {"params": _start_params(config, layout, path)})["params"]
@@ -78,7 +77,7 @@ def restore_or_init(config: Config, manager, model, tx, layout: StateLayout) -> 
   state = init_state(model, config, tx, layout)
   source = f"fresh init (seed {config.init_weights_seed})"
   if config.hf_lora_adapter_path:
-    params = _with_peft_adapter(config, layout, in_natural_order(config, state.params))
+    params = _with_peft_adapter(config, layout, LayerOrder(config).natural(state.params))
     state, source = state_from_params(params, tx, layout, config), source + f", adapters from {config.hf_lora_adapter_path}"
   return StartingPoint(state, source)
 
@@ -132,7 +131,7 @@ def _restore_step(config: Config, manager, step: int, where: str, layout: StateL
   agree(damage)
   state = restored[ITEM]
   verified = verify(items, state)  # A global computation: the same verdict on every process.
-  return in_stored_order(config, _cast_like(state, layout.abstract)), verified
+  return LayerOrder(config).stored(_cast_like(state, layout.abstract)), verified
 
 
 def restore_data(config: Config, manager, step: int, iterator) -> None:

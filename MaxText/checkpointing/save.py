@@ -4,7 +4,7 @@ checkpoints (save_params); and weight-only quantized parameters (decode.py's sav
 checkpoint written into a folder that holds none yet), which keep their quantization settings beside the arrays
 (`<step>/quantization`, committed with them). Checkpoints hold the decoder layers in their natural order, whatever
 the run's layout: a circular pipeline's train state holds its pipelined layers stage-major (layers/pipeline.py), so
-its saves write them back in the natural order (state.in_natural_order).
+its saves write them back in the natural order (state.LayerOrder.natural).
 """
 
 import json
@@ -22,7 +22,7 @@ from MaxText.checkpointing.paths import (
 )
 from MaxText.common_types import Config
 from MaxText.layers import quantizations
-from MaxText.state import TrainState, in_natural_order
+from MaxText.state import LayerOrder, TrainState
 
 
 class _DataSnapshot:
@@ -60,7 +60,7 @@ def save(manager, state: TrainState, data_state: dict | None = None, config: Con
   if step in manager.all_steps():
     return False
   if config is not None:
-    state = in_natural_order(config, state)  # a copy while it is written to the host (async saves too)
+    state = LayerOrder(config).natural(state)  # a copy while it is written to the host (async saves too)
   storage.makedirs(str(manager.directory))
   items = {ITEM: ocp.args.StandardSave(state), CHECKSUM_ITEM: ocp.args.JsonSave(integrity.record(state))}
   if data_state is not None:
