@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from MaxText import input_pipeline, lora
+from MaxText import input_pipeline
 from MaxText.common_types import Config
 from MaxText.objectives import base
 from MaxText.objectives import losses as losses_lib
@@ -32,16 +32,9 @@ def dpo_loss_fn(model, params, reference_params, batch, dropout_rng, determinist
   """
   config = model.config
   both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in input_pipeline.BATCH_KEYS}
-  args = (both["inputs"], both["inputs_segmentation"], both["inputs_position"])
-  logits, sown = model.apply(
-    {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
-  )
-  if reference_params is None:  # LoRA: the base model, the adapters off
-    reference_params = lora.adapters_off(params)
-  reference_logits, _ = model.apply(
-    {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
-  )
-  loss, aux = dpo_loss_from_logits(config, logits, jax.lax.stop_gradient(reference_logits), both)
+  logits, sown = losses_lib.forward(model, params, both, dropout_rng, deterministic=deterministic)
+  reference = losses_lib.reference_logits(model, params, reference_params, both)
+  loss, aux = dpo_loss_from_logits(config, logits, reference, both)
   if config.num_experts > 1:
     aux.update(losses_lib.moe_aux(config, sown, aux["tokens"]))
     loss += aux["moe_lb_loss"]

@@ -19,15 +19,8 @@ def loss_fn(model, params, batch, dropout_rng, deterministic=False):
   Returning sums (not means) lets micro-batches add up to exactly the full batch's loss.
   """
   config = model.config
-  outputs, sown = model.apply(
-    {"params": params},
-    batch["inputs"],
-    batch["inputs_segmentation"],
-    batch["inputs_position"],
-    deterministic=deterministic,
-    rngs={"dropout": dropout_rng},
-    return_hidden=config.num_vocab_tiling > 1,
-    mutable=["intermediates"],
+  outputs, sown = losses.forward(
+    model, params, batch, dropout_rng, deterministic=deterministic, return_hidden=config.num_vocab_tiling > 1
   )
   mask_BL = batch["targets_segmentation"] != 0
   tokens = jnp.sum(mask_BL)

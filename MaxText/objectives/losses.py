@@ -1,4 +1,5 @@
-"""What the objectives' losses share: the cross-entropy in float32 with a fused gradient (and its tiled form for a
+"""What the objectives' losses share: the model's forward pass on a batch (the policy's, and the reference model's
+without gradient), the cross-entropy in float32 with a fused gradient (and its tiled form for a
 large vocabulary), log-probabilities and entropy of the tokens over the tokenizer's vocabulary, the summed
 log-probability of each sequence of a packed batch, and a mixture of experts' additions to a loss (its
 load-balancing term, dropped assignments and expert counts).
@@ -10,8 +11,33 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from MaxText import lora
 from MaxText.common_types import Config
 from MaxText.layers import models, quantizations
+
+
+def forward(model, params, batch, dropout_rng=None, *, deterministic=False, return_hidden=False):
+  """The model on a batch's inputs, inputs_segmentation and inputs_position [B, L]: (logits [B, L, vocab], or with
+  return_hidden the last hidden states [B, L, embed]; what the layers sowed). No dropout without dropout_rng."""
+  return model.apply(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_segmentation"],
+    batch["inputs_position"],
+    deterministic=deterministic,
+    rngs={} if dropout_rng is None else {"dropout": dropout_rng},
+    return_hidden=return_hidden,
+    mutable=["intermediates"],
+  )
+
+
+def reference_logits(model, params, reference_params, batch) -> jax.Array:
+  """The reference model's logits on a batch, without dropout and under stop_gradient: `reference_params`, or under
+  LoRA (None) the policy `params` with the adapters off (the base model)."""
+  if reference_params is None:
+    reference_params = lora.adapters_off(params)
+  logits, _ = forward(model, jax.lax.stop_gradient(reference_params), batch, deterministic=True)
+  return jax.lax.stop_gradient(logits)
 
 
 @jax.custom_vjp

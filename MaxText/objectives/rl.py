@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from MaxText import cli, input_pipeline, lora
+from MaxText import cli, input_pipeline
 from MaxText.common_types import Config
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.objectives import base, losses
@@ -42,21 +42,14 @@ def rl_loss_fn(  # noqa: PLR0913 (the losses' common five, then the RL step's tw
   Returns (the loss's sum, aux) with aux["tokens"] its denominator (loss_agg_mode's) and rl/loss.py's sums.
   """
   config = model.config
-  args = (batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
-  logits, sown = model.apply(
-    {"params": params}, *args, deterministic=deterministic, rngs={"dropout": dropout_rng}, mutable=["intermediates"]
-  )
+  logits, sown = losses.forward(model, params, batch, dropout_rng, deterministic=deterministic)
   logits = _sampled(config, logits)
   mask = batch["targets_segmentation"] != 0
   logps = losses.token_logps(logits, batch["targets"], num_tokens)
   old = jnp.where(on_policy, jax.lax.stop_gradient(logps), batch["old_logprobs"])
   reference = None
   if config.grpo_beta > 0:
-    if reference_params is None:  # LoRA: the base model, the adapters off
-      reference_params = lora.adapters_off(params)
-    reference_logits, _ = model.apply(
-      {"params": jax.lax.stop_gradient(reference_params)}, *args, deterministic=True, mutable=["intermediates"]
-    )
+    reference_logits = losses.reference_logits(model, params, reference_params, batch)
     reference = jax.lax.stop_gradient(losses.token_logps(_sampled(config, reference_logits), batch["targets"], num_tokens))
   loss, weight, sums = rl_loss.policy_loss(
     logps,

@@ -61,15 +61,7 @@ class PositionWeighted(lm.LanguageModelling):
   def loss(
     self, model, params, batch, dropout_rng, *, reference_params=None, step=None, num_tokens=None, deterministic=False
   ):  # noqa: PLR0913
-    logits, _ = model.apply(
-      {"params": params},
-      batch["inputs"],
-      batch["inputs_segmentation"],
-      batch["inputs_position"],
-      deterministic=deterministic,
-      rngs={"dropout": dropout_rng},
-      mutable=["intermediates"],
-    )
+    logits, _ = losses_lib.forward(model, params, batch, dropout_rng, deterministic=deterministic)
     weights = jnp.where(batch["targets_segmentation"] != 0, 1.0 + batch["inputs_position"] % 3, 0.0)
     xent = losses_lib.cross_entropy(logits, batch["targets"])
     return jnp.sum(weights * xent), {"tokens": jnp.sum(weights), "weighted_targets": jnp.sum(weights > 0)}
