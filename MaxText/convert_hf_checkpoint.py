@@ -27,11 +27,13 @@ import jax
 import numpy as np
 import yaml
 
+from MaxText import chat_template as template_lib
 from MaxText import checkpointing, cli, families, state, storage
 from MaxText.common_types import Config, ConfigError, cut
 from MaxText.convert import get, hf_families, put, staged, tokenizer_companions
 from MaxText.convert.streaming import FLOAT_DTYPES, HFTensors, LazyArray, non_finite, save_params
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.layers import decoders
 from MaxText.layers.linears import DTYPES
 
 MODEL_YML = "model.yml"
@@ -104,12 +106,11 @@ def check_tokenizer(folder: str, tokenizer: tuple[str, list[str]], vocab_size: i
       f"hf_model_path: {path} has {loaded.vocab_size} tokens but config.json's vocabulary is {vocab_size}; the "
       f"tokenizer is not this model's: {fix}"
     )
-  from MaxText.input_pipeline import sft
 
-  template = sft.tokenizer_template(path)
+  template = template_lib.tokenizer_template(path)
   if template is not None:
     try:
-      sft.compile_template(template[0])
+      template_lib.compile_template(template[0])
     except ConfigError as e:
       raise ConfigError(f"hf_model_path: {template[1]}: {str(e).rsplit('; ', 1)[0]}; {fix}") from None
 
@@ -164,7 +165,7 @@ class Plan:
         yield group, i
 
   def our_shape(self, path: str, i: int | None) -> tuple[int, ...]:
-    where, index = families.param_path(self.config, path, i)
+    where, index = decoders.param_path(self.config, path, i)
     shape = get(self.abstract, where).shape
     return shape if index is None else shape[1:]
 
@@ -203,7 +204,7 @@ class Plan:
 
     for group, i in self.instances():
       for k, path in enumerate(group.ours):
-        where, index = families.param_path(self.config, path, i)
+        where, index = decoders.param_path(self.config, path, i)
         if index is not None:
           if index == 0:
             put(tree, where, LazyArray(get(self.abstract, where).shape, dtype, []))

@@ -30,11 +30,12 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import numpy as np
 
+from MaxText import chat_template as template_lib
 from MaxText import checkpointing, cli, families, lora, pyconfig, state
 from MaxText.common_types import Config, ConfigError
 from MaxText.convert import get, hf_families, new_file_mode, peft, spm_tokenizer, staged, tokenizer_companions
-from MaxText.input_pipeline import sft
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.layers import decoders
 
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model", "tiktoken": "tokenizer.model"}
 
@@ -44,7 +45,7 @@ def hf_tensors(config: Config, mapping: hf_families.HFMapping, params: dict):
   model_groups, layer_groups = mapping.layout(config)
 
   def leaf(path: str, i: int | None):
-    where, index = families.param_path(config, path, i)
+    where, index = decoders.param_path(config, path, i)
     value = get(params, where)
     return value if index is None else value[index]
 
@@ -137,7 +138,7 @@ def export_tokenizer(config: Config) -> ExportTokenizer | None:
   if config.use_chat_template or config.chat_template or config.chat_template_path:
     # The template the run renders chat with (its keys', else the tokenizer's own, else the fallback a model tuned
     # with use_chat_template learned), so transformers' apply_chat_template renders what the model knows.
-    template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
+    template, _ = template_lib.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
   unigram = None
   if config.tokenizer_type == "sentencepiece" and spm_tokenizer.is_unigram(path):
     unigram = path
@@ -181,7 +182,7 @@ def export(config: Config) -> str:
   if adapter:
     adapters = lora.partition(params)[0]
     with staged(out) as staging:
-      count = peft.write_adapter(staging, config, mapping, adapters, lambda p, i: families.param_path(config, p, i))
+      count = peft.write_adapter(staging, config, mapping, adapters, lambda p, i: decoders.param_path(config, p, i))
     print(f"Wrote {out} (a PEFT LoRA adapter: {count} tensors, rank {config.lora_rank}) from {source}", flush=True)
     return out
   if config.lora_rank > 0:

@@ -93,8 +93,8 @@ def decode(config: Config) -> int:
   temperature, top_k, top_p = engine.default_sampling.request_settings()
   seed = config.decode_sampling_seed
   requests = [engine_lib.Request(tuple(p), max_tokens, temperature, top_k, top_p, seed) for p in ids]
-  # Each output's text as the engine decodes it, after its prompt's tokens: prompt + output is their text (a
-  # SentencePiece output keeps the space of its first word).
+  # Each output's text as the engine's output processor (inference/output.py, the server's too) decodes it, after
+  # its prompt's tokens: prompt + output is their text (a SentencePiece output keeps the space of its first word).
   outputs = [result.text for result in engine.generate(requests)]
 
   for text, output in zip(prompts, outputs, strict=True):

@@ -1,7 +1,8 @@
-"""Prompts as token ids, the way every consumer of the engine builds them (decode.py, serve.py, evaluation)."""
+"""Prompts as token ids, the way every consumer of the engine builds them (decode.py, the server, evaluation, RL)."""
 
 import functools
 
+from MaxText import chat_template
 from MaxText.common_types import Config
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
@@ -12,20 +13,16 @@ def text_tokens(config: Config, tokenizer: tokenizer_lib.Tokenizer, text: str) -
 
 
 def chat_tokens(config: Config, tokenizer: tokenizer_lib.Tokenizer, messages: list[dict]) -> list[int]:
-  """A conversation rendered by the chat template as fine-tuning renders it (input_pipeline/sft.py: the template
+  """A conversation rendered by the chat template as fine-tuning renders it (MaxText/chat_template.py: the template
   of chat_template, chat_template_path or the tokenizer's folder), followed by the generation prompt."""
-  from MaxText.input_pipeline import sft
-
-  template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
-  return sft.render(_compiled(template), tokenizer, messages, add_generation_prompt=True)
+  template, _ = chat_template.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
+  return chat_template.render(_compiled(template), tokenizer, messages, add_generation_prompt=True)
 
 
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str):
-  """A template compiled once (the server renders every chat request with it)."""
-  from MaxText.input_pipeline import sft
-
-  return sft.compile_template(template)
+  """A template compiled once (every chat prompt of a run renders with it)."""
+  return chat_template.compile_template(template)
 
 
 def prompt_tokens(config: Config, tokenizer: tokenizer_lib.Tokenizer, prompts: list[str]) -> list[list[int]]:

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.common_types import Config, ConfigError
-
-STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
+from MaxText.sections.decoding import STRATEGIES  # decode_sampling_strategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ A contiguous cache is a pair (keys, values) of [batch, cache_len, kv_heads, head
 and RoPE key, [..., 1, kv_lora_rank] and [..., 1, qk_rope_head_dim]). A paged cache (`Paged`) holds a pool of
 pages, [pages, page_size, kv_heads, head_dim], and a page table [batch, pages_per_row]: row b's token at position
 p lives in page table[b, p // page_size] at offset p % page_size, so a row holds only the pages its tokens fill
-and rows can share the pages of a common prompt prefix (inference/engine.py hands pages out). The decoder's cache
+and rows can share the pages of a common prompt prefix (inference/kv_cache_manager.py hands pages out). The decoder's cache
 carries a leading layers axis on every leaf, the page table included (the same table repeated: a scan over the
 layers slices it with the pools), so the layers take either kind alike and read it through `rows`.
 

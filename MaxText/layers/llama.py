@@ -6,7 +6,7 @@ sliding_window, attention, mlp, and after_attention / after_mlp for Gemma 2's ex
 
 The class also describes the layer to the code around the model, so that none of it names a family or an
 attention kind: its traits (moe, attention_type, dense_layer; pyconfig checks the config against them), the
-logical axes of its KV cache (inference/engine.py), and its model FLOPs (metrics.py): the attention's and the
+logical axes of its KV cache (inference/model_runner.py), and its model FLOPs (metrics.py): the attention's and the
 MLP's per token, and the (query, key) pairs its attention computes, which its masks decide (`attention_pairs`).
 A layer that changes what it computes changes these with it.
 """

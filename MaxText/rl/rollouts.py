@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText import chat_template as template_lib
 from MaxText import input_pipeline, sharding
 from MaxText.common_types import Config, ConfigError, shown
 from MaxText.inference import engine as engine_lib
@@ -78,7 +79,6 @@ class Prompt:
     return {"tokens": np.asarray(self.tokens(value, column), np.int32), "prompt": value, "columns": columns}
 
   def tokens(self, value, column: str) -> list[int]:
-    from MaxText.input_pipeline import sft
 
     if isinstance(value, str):
       return prompts_lib.prompt_tokens(self.config, self.tokenizer, [value])[0]
@@ -91,7 +91,7 @@ class Prompt:
       raise ConfigError(
         f"{self.key}=[{column!r}]: a record's {column!r} holds turns, which need a chat template; set use_chat_template=true"
       )
-    turns = sft.check_turns(value, self.key, need_assistant=False)
+    turns = template_lib.check_turns(value, self.key, need_assistant=False)
     if not turns:
       raise ConfigError(f"{self.key}: a conversation has no turn before its assistant turns; give a prompt")
     return prompts_lib.chat_tokens(self.config, self.tokenizer, turns)

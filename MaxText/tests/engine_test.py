@@ -27,7 +27,10 @@ from flax import linen as nn
 
 from MaxText import families, sharding, state
 from MaxText.inference import engine as engine_lib
+from MaxText.inference import model_runner
+from MaxText.inference import output as output_lib
 from MaxText.inference import pages as pages_lib
+from MaxText.inference import slots as slots_lib
 from MaxText.inference.sampling import sample_rows
 from MaxText.layers import models
 from MaxText.tests.helpers import config, deadline
@@ -597,6 +600,16 @@ def test_after_warmup_no_request_compiles():
   assert eng.stats["compile_seconds"] == compiled
 
 
+def test_prefill_widths_and_a_64_bit_seed_as_the_programs_take_them():
+  """A chunk of n tokens is padded to a power of two from 16, at most the chunk's size (model_runner.bucket: few
+  widths compile); a request's seed below 2**64 reaches the programs as its low and high 32 bits, with its other
+  sampling settings (slots.sampling_of)."""
+  assert [model_runner.bucket(n, 100) for n in (1, 16, 17, 33, 64, 65, 100)] == [16, 16, 32, 64, 64, 100, 100]
+  row = slots_lib.sampling_of(engine_lib.Request((1,), 1, temperature=0.5, top_k=3, top_p=0.25), 2**40 + 5)
+  assert row["seeds"].tolist() == [[5, 2**8]] and row["seeds"].dtype == np.uint32
+  assert (row["temperature"].tolist(), row["top_k"].tolist(), row["top_p"].tolist()) == ([0.5], [3], [0.25])
+
+
 def test_a_stop_string_cuts_where_it_completes_first_whatever_the_burst():
   """Stops ("bc ", "c") over tokens "bc", " ", "x": token by token, "c" completes first (with "bc"), so the text is
   "b" and the tokens end with "bc", whether the tokens arrive one call at a time or in one burst (a burst's length
@@ -608,10 +621,10 @@ def test_a_stop_string_cuts_where_it_completes_first_whatever_the_burst():
 
   for bursts in ([[1, 2, 3]], [[1], [2], [3]]):
     updates = []
-    row = engine_lib._Row(0, engine_lib.Request((5,), 8, stop=("bc ", "c")), updates.append)
+    row = output_lib.RequestOutput(engine_lib.Request((5,), 8, stop=("bc ", "c")), updates.append, detokenize)
     for burst in bursts:
       row.tokens += burst
-      text, cut = row.new_text(detokenize, burst, final=False)
+      text, cut = row.new_text(burst, final=False)
       row.send(text, "stop" if cut else None)
       if cut:
         break

@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from MaxText import build_finetune_demo_data as demo_data
+from MaxText import chat_template as template_lib
 from MaxText import train_tokenizer
 from MaxText.decode import visible
-from MaxText.input_pipeline import sft
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
 from MaxText.tests.helpers import REPO_ROOT
 
@@ -113,7 +113,7 @@ def test_reply_prefix_follows_the_template():
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
   )
   assert heldout.reply_prefix(chatml, {}) == ""
-  assert heldout.reply_prefix(sft.FALLBACK_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}) == " "
+  assert heldout.reply_prefix(template_lib.FALLBACK_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}) == " "
 
 
 def test_hf_tokenizer_folder_tokenizes_like_ours(task):
@@ -124,7 +124,7 @@ def test_hf_tokenizer_folder_tokenizes_like_ours(task):
   eval_dir, tokenizer_path, rows = task
   hf = AutoTokenizer.from_pretrained(str(eval_dir / "hf_tokenizer"))
   ours = tokenizer_lib.load(tokenizer_path)
-  compiled = sft.compile_template(sft.FALLBACK_TEMPLATE)
+  compiled = template_lib.compile_template(template_lib.FALLBACK_TEMPLATE)
   for r in rows:
     turns = [{"role": "user", "content": r["question"]}]
     context = hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
@@ -141,7 +141,7 @@ def test_hf_tokenizer_folder_tokenizes_like_ours(task):
 
 def decode_prompt(compiled, ours, question: str) -> list[int]:
   """decode.py's prompt tokens with use_chat_template=true (decode.prompt_tokens, without a Config)."""
-  return sft.render(compiled, ours, [{"role": "user", "content": question}], add_generation_prompt=True)
+  return template_lib.render(compiled, ours, [{"role": "user", "content": question}], add_generation_prompt=True)
 
 
 def test_tokenizer_check_refuses_a_text_split_otherwise(task):
@@ -152,10 +152,10 @@ def test_tokenizer_check_refuses_a_text_split_otherwise(task):
   eval_dir, tokenizer_path, rows = task
   hf = AutoTokenizer.from_pretrained(str(eval_dir / "hf_tokenizer"))
   ours = tokenizer_lib.load(tokenizer_path)
-  heldout.check_tokenizer(hf, ours, sft.FALLBACK_TEMPLATE, rows)
+  heldout.check_tokenizer(hf, ours, template_lib.FALLBACK_TEMPLATE, rows)
   bad = {**rows[0], "question": rows[0]["question"] + " <unk>"}
   with pytest.raises(ValueError, match="splits"):
-    heldout.check_tokenizer(hf, ours, sft.FALLBACK_TEMPLATE, [bad])
+    heldout.check_tokenizer(hf, ours, template_lib.FALLBACK_TEMPLATE, [bad])
 
 
 def test_tasks_load_offline_in_lm_evals_task_manager(task, monkeypatch, tmp_path):
@@ -188,7 +188,7 @@ class FakeServer:
 
   def __init__(self, rows, tokenizer_path):
     self.rows, ours = rows, tokenizer_lib.load(tokenizer_path)
-    compiled = sft.compile_template(sft.FALLBACK_TEMPLATE)
+    compiled = template_lib.compile_template(template_lib.FALLBACK_TEMPLATE)
     self.scored = {}  # every prompt lm-eval must send: the chat-templated question and a continuation, MaxText's tokens
     for i, r in enumerate(rows):
       context = compiled.render(

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from MaxText import chat_template as template_lib
 from MaxText import checkpointing, convert_hf_checkpoint, convert_to_hf_checkpoint, families, sharding
 from MaxText import state as state_lib
 from MaxText.inference import engine as engine_lib
@@ -321,7 +322,6 @@ def test_the_import_copies_the_chat_template_and_runs_render_with_it(chat_import
   conversation rendered by a run's path (decode.py's and serve.py's prompts.chat_tokens) is transformers'
   apply_chat_template on the source folder, token for token."""
   from MaxText.inference import prompts
-  from MaxText.input_pipeline import sft
   from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
   hf_dir, ckpt, printed = chat_import
@@ -330,7 +330,7 @@ def test_the_import_copies_the_chat_template_and_runs_render_with_it(chat_import
       assert a.read() == b.read(), name
   assert f"tokenizer_type=huggingface tokenizer_path={ckpt}/tokenizer.json" in printed
   capsys.readouterr()
-  template, where = sft.find_template("", "", os.path.join(ckpt, "tokenizer.json"))
+  template, where = template_lib.find_template("", "", os.path.join(ckpt, "tokenizer.json"))
   assert template == CHATML and where == os.path.join(ckpt, "chat_template.jinja")
   assert capsys.readouterr().out == f"chat template: {where} (the tokenizer's)\n"
 
@@ -340,8 +340,8 @@ def test_the_import_copies_the_chat_template_and_runs_render_with_it(chat_import
   for turns in CONVERSATIONS:
     want = reference.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)["input_ids"]
     assert prompts.chat_tokens(cfg, ours, turns) == list(want)
-    assert prompts.chat_tokens(cfg, ours, turns) != sft.render(
-      sft.compile_template(sft.FALLBACK_TEMPLATE), ours, turns, True
+    assert prompts.chat_tokens(cfg, ours, turns) != template_lib.render(
+      template_lib.compile_template(template_lib.FALLBACK_TEMPLATE), ours, turns, True
     )
 
 
@@ -387,7 +387,6 @@ def test_the_export_writes_a_sentencepiece_tokenizer_that_transformers_splits_as
   import sentencepiece as spm
 
   from MaxText import train_tokenizer
-  from MaxText.input_pipeline import sft
   from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
   texts = [f"The {w} of the sea is {n}. Which book? Genesis Hamlet" for n in range(50) for w in ("sun", "moon")]
@@ -414,8 +413,10 @@ def test_the_export_writes_a_sentencepiece_tokenizer_that_transformers_splits_as
     assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == sp.decode(sp.encode(text)), text
   # Tuned with use_chat_template on a tokenizer without a template of its own: the fallback, which transformers then
   # renders as our runs do.
-  assert tokenizer.chat_template == sft.FALLBACK_TEMPLATE
+  assert tokenizer.chat_template == template_lib.FALLBACK_TEMPLATE
   ours = tokenizer_lib.load(model_file, "sentencepiece")
   for turns in CONVERSATIONS:
     want = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert sft.render(sft.compile_template(sft.FALLBACK_TEMPLATE), ours, turns, True) == list(want)
+    assert template_lib.render(template_lib.compile_template(template_lib.FALLBACK_TEMPLATE), ours, turns, True) == list(
+      want
+    )

@@ -23,6 +23,9 @@ from MaxText import serve
 from MaxText.common_types import ConfigError
 from MaxText.inference import engine as engine_lib
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
+from MaxText.server import app as server_app
+from MaxText.server import options as server_options
+from MaxText.server import run as server_run
 from MaxText.tests.helpers import BASE_YML, FUZZ_PARTS, config, deadline, fuzz_part, overrides
 
 MODEL = "tiny-demo"
@@ -181,8 +184,8 @@ def running(app):
   """The app served by uvicorn in a thread on a free loopback port; yields its base URL, shuts it down after."""
   import uvicorn
 
-  sock = serve.listen("127.0.0.1", 0)
-  server = uvicorn.Server(serve.uvicorn_config(app, log_level="warning"))
+  sock = server_run.listen("127.0.0.1", 0)
+  server = uvicorn.Server(server_run.uvicorn_config(app, log_level="warning"))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
   try:
@@ -204,7 +207,7 @@ def started(tokenizer, api_key="", **engine_kw):
   engine = FakeEngine(tokenizer, **engine_kw)
   engine.start()
   try:
-    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL, api_key=api_key))) as url:
+    with running(server_app.create_app(engine, tokenizer, server_options.Options(MODEL, api_key=api_key))) as url:
       yield engine, url
   finally:
     engine.stop()
@@ -615,19 +618,19 @@ def test_a_client_that_disconnects_frees_its_slot(tokenizer, stream):
 # ------------------------------------------------------------------------------------------ config
 def test_serving_keys_are_checked_and_named():
   with pytest.raises(ConfigError, match=r"server_port=70000 is not a TCP port"):
-    serve.check(config("server_port=70000"))
+    server_options.check(config("server_port=70000"))
   with pytest.raises(ConfigError, match=r"server_max_queue=0 must be at least 1"):
-    serve.check(config("server_max_queue=0"))
+    server_options.check(config("server_max_queue=0"))
   with pytest.raises(ConfigError, match=r"server_max_prompt_chars=0 must be at least 1"):
-    serve.check(config("server_max_prompt_chars=0"))
+    server_options.check(config("server_max_prompt_chars=0"))
   with pytest.raises(ConfigError, match=r"server_read_timeout=0 must be 1 to 86400 seconds"):
-    serve.check(config("server_read_timeout=0"))
+    server_options.check(config("server_read_timeout=0"))
   with pytest.raises(ConfigError, match=r"stream_interval_ms=-1 is negative"):
     engine_lib.check(config("stream_interval_ms=-1", "max_prefill_predict_length=32"))
-  assert serve.served_name(config("run_name=", "load_parameters_path=/x/runs/demo/checkpoints/5/items")) == "demo"
-  assert serve.served_name(config("run_name=mine")) == "mine"
-  assert serve.served_name(config("served_model_name=m", "run_name=mine")) == "m"
-  options = serve.Options.from_config(config("server_api_key=k", "add_bos=false", "server_read_timeout=7"))
+  assert server_options.served_name(config("run_name=", "load_parameters_path=/x/runs/demo/checkpoints/5/items")) == "demo"
+  assert server_options.served_name(config("run_name=mine")) == "mine"
+  assert server_options.served_name(config("served_model_name=m", "run_name=mine")) == "m"
+  options = server_options.Options.from_config(config("server_api_key=k", "add_bos=false", "server_read_timeout=7"))
   assert (options.api_key, options.add_bos, options.model_name, options.read_timeout) == ("k", False, "test", 7)
 
 
@@ -643,7 +646,7 @@ def test_a_taken_port_is_one_config_error():
     taken.listen(1)
     port = taken.getsockname()[1]
     with pytest.raises(ConfigError, match=rf"server_host=127.0.0.1 server_port={port}: cannot listen there"):
-      serve.listen("127.0.0.1", port)
+      server_run.listen("127.0.0.1", port)
 
 
 # ------------------------------------------------------------------------------------------ the real engine
@@ -686,7 +689,7 @@ def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path)
   served = engine()
   served.start()
   try:
-    with running(serve.create_app(served, tokenizer, serve.Options(MODEL))) as url:
+    with running(server_app.create_app(served, tokenizer, server_options.Options(MODEL))) as url:
 
       def ask(i):
         kw = {"model": MODEL, "prompt": texts[i], "max_tokens": 12, "temperature": 0, "logprobs": 2}
@@ -736,7 +739,7 @@ def test_lm_eval_scores_a_continuation_whose_next_token_is_eos(tokenizer, sp, sp
   served = engine_lib.Engine(cfg, mesh, params, eos_id=reference.tokens[0], **kw)  # EOS is the greedy next token
   served.start()
   try:
-    with running(serve.create_app(served, tokenizer, serve.Options(MODEL))) as url:
+    with running(server_app.create_app(served, tokenizer, server_options.Options(MODEL))) as url:
       body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
       status, out = post(url, "/v1/completions", body)
   finally:
@@ -770,7 +773,7 @@ def test_an_aborted_request_is_an_error_not_a_short_answer(tokenizer, stream):
   engine = AbortingEngine(tokenizer)
   engine.start()
   try:
-    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL))) as url:
+    with running(server_app.create_app(engine, tokenizer, server_options.Options(MODEL))) as url:
       body = {"model": MODEL, "prompt": "The sun", "max_tokens": 4, "stream": stream}
       status, out = post(url, "/v1/completions", body)
       if stream:  # the stream's only event is the error
@@ -839,7 +842,7 @@ def test_fields_over_their_size_are_refused_first_naming_the_bound(tokenizer):
   engine = FakeEngine(tokenizer)
   engine.start()
   try:
-    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL, max_prompt_chars=1000))) as url:
+    with running(server_app.create_app(engine, tokenizer, server_options.Options(MODEL, max_prompt_chars=1000))) as url:
       for path, body, message in SIZES:
         status, out = post(url, path, body)
         assert_error(status, out, 400, message)
@@ -871,7 +874,7 @@ def test_slow_headers_and_bodies_are_cut_after_the_read_timeout(tokenizer):
   engine = FakeEngine(tokenizer)
   engine.start()
   try:
-    with running(serve.create_app(engine, tokenizer, serve.Options(MODEL, read_timeout=1))) as url:
+    with running(server_app.create_app(engine, tokenizer, server_options.Options(MODEL, read_timeout=1))) as url:
       host, port = url.removeprefix("http://").split(":")
       head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
       body = json.dumps({"prompt": "sun", "max_tokens": 1}).encode()
@@ -1050,7 +1053,7 @@ def test_start_up_says_what_it_compiles_and_how_far_it_got(spm_path, capsys):
 
   cfg, mesh, params = _tiny_model(spm_path)
   engine = engine_lib.Engine(cfg, mesh, params, num_slots=1)
-  serve.compile_programs(engine)
+  server_run.compile_programs(engine)
   lines = capsys.readouterr().out.splitlines()
   first = re.fullmatch(
     r"Compiling the engine's programs before serving: (\d+) prefill sizes? and (\d+) generate shapes? \(rows x pages "
@@ -1059,5 +1062,5 @@ def test_start_up_says_what_it_compiles_and_how_far_it_got(spm_path, capsys):
   )
   assert first, lines
   prefill, generate, total = map(int, first.groups())
-  assert total == prefill + generate == len(engine._executables) and prefill > 1 and generate == 1
+  assert total == prefill + generate == len(engine.runner.executables) and prefill > 1 and generate == 1
   assert lines[-2].startswith(f"  compiled {total}/{total} (") and lines[-1].startswith("Compiled the engine's programs")

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from MaxText import chat_template as template_lib
 from MaxText import train_tokenizer
 from MaxText.common_types import ConfigError
 from MaxText.input_pipeline import sft, text_pipeline
@@ -108,11 +109,11 @@ def test_chat_template_renders_as_transformers_token_for_token(files, template):
   reference = _reference(files, template)
   conversation = _conversation(files, template)
   tokenizer = tokenizer_lib.load(str(files / "hf/tokenizer.json"), "huggingface")
-  compiled = sft.compile_template(template)
+  compiled = template_lib.compile_template(template)
   for turns in CONVERSATIONS:
     for generation_prompt in (False, True):
       want = reference.apply_chat_template(turns, tokenize=True, add_generation_prompt=generation_prompt)["input_ids"]
-      assert sft.render(compiled, tokenizer, turns, generation_prompt) == list(want)
+      assert template_lib.render(compiled, tokenizer, turns, generation_prompt) == list(want)
     want = reference.apply_chat_template(turns)["input_ids"]
     np.testing.assert_array_equal(conversation({"messages": turns})["tokens"], want)
 
@@ -137,8 +138,8 @@ def test_fallback_template_on_sentencepiece(files):
   from transformers.utils.chat_template_utils import render_jinja_template
 
   sp = spm.SentencePieceProcessor(model_file=str(files / "spm.model"))
-  template, where = sft.find_template("", "", str(files / "spm.model"))
-  assert template == sft.FALLBACK_TEMPLATE and "fallback" in where
+  template, where = template_lib.find_template("", "", str(files / "spm.model"))
+  assert template == template_lib.FALLBACK_TEMPLATE and "fallback" in where
   conversation = _conversation(files, template, tokenizer="spm")
   turns = CONVERSATIONS[1]
   text = render_jinja_template([turns], chat_template=template, bos_token="<s>", eos_token="</s>")[0][0]
@@ -182,7 +183,7 @@ def test_bad_records_name_the_problem(files, record, message):
 
 def test_template_errors_are_config_errors(files):
   with pytest.raises(ConfigError, match="does not parse"):
-    sft.compile_template("{% for m in messages %}")
+    template_lib.compile_template("{% for m in messages %}")
   conversation = _conversation(files, MARKED)
   with pytest.raises(ConfigError, match="refuses a conversation .bad role"):
     conversation({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]})
@@ -194,17 +195,17 @@ def test_template_errors_are_config_errors(files):
 
 def test_template_sources_in_order(files, tmp_path):
   tokenizer = str(files / "hf/tokenizer.json")
-  assert sft.find_template("{{ x }}", "", tokenizer) == ("{{ x }}", "chat_template")
+  assert template_lib.find_template("{{ x }}", "", tokenizer) == ("{{ x }}", "chat_template")
   (tmp_path / "t.jinja").write_text("J")
-  assert sft.find_template("", str(tmp_path / "t.jinja"), tokenizer)[0] == "J"
+  assert template_lib.find_template("", str(tmp_path / "t.jinja"), tokenizer)[0] == "J"
   (tmp_path / "c.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": "D"}]}))
-  assert sft.find_template("", str(tmp_path / "c.json"), tokenizer)[0] == "D"
-  assert sft.find_template("", "", tokenizer)[0] == CHATML
+  assert template_lib.find_template("", str(tmp_path / "c.json"), tokenizer)[0] == "D"
+  assert template_lib.find_template("", "", tokenizer)[0] == CHATML
   (tmp_path / "none.json").write_text("{}")
   with pytest.raises(ConfigError, match="holds no chat_template"):
-    sft.find_template("", str(tmp_path / "none.json"), tokenizer)
+    template_lib.find_template("", str(tmp_path / "none.json"), tokenizer)
   with pytest.raises(ConfigError, match="does not exist"):
-    sft.find_template("", str(tmp_path / "missing.jinja"), tokenizer)
+    template_lib.find_template("", str(tmp_path / "missing.jinja"), tokenizer)
 
 
 def _records(n=6):
@@ -522,7 +523,7 @@ def test_a_data_path_that_is_not_a_regular_file_is_never_opened(files, tmp_path,
            "folder": "matches the folder"}  # fmt: skip
   assert words[kind] in str(error.value)
   with pytest.raises(ConfigError, match="chat_template_path=/dev/zero is not a regular file"):
-    sft.find_template("", "/dev/zero", str(files / "hf/tokenizer.json"))
+    template_lib.find_template("", "/dev/zero", str(files / "hf/tokenizer.json"))
 
 
 def test_check_names_the_record_it_refuses(files, tmp_path):

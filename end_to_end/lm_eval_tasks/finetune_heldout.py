@@ -50,11 +50,11 @@ def read_jsonl(path: str) -> list[dict]:
 
 def reply_prefix(template: str, special_tokens: dict[str, str]) -> str:
   """The text a chat template puts between its generation prompt and an assistant reply's content (" " for the
-  fallback template of input_pipeline/sft.py: the prompt ends at "Assistant:"). A multiple-choice continuation
+  fallback template of MaxText/chat_template.py: the prompt ends at "Assistant:"). A multiple-choice continuation
   starts with it, so that the scored tokens are those the model was fine-tuned to give."""
-  from MaxText.input_pipeline import sft
+  from MaxText import chat_template as template_lib
 
-  compiled = sft.compile_template(template)
+  compiled = template_lib.compile_template(template)
   marker = "\x00reply\x00"
   user = [{"role": "user", "content": "question"}]
   prompt = compiled.render(messages=user, add_generation_prompt=True, **special_tokens)
@@ -112,13 +112,13 @@ def check_tokenizer(hf, ours, template: str, rows: list[dict]) -> None:
   each question through the chat template (hf's own apply_chat_template against decode.py's rendering), and that
   context followed by each continuation. A different split would score other tokens than the model was given; a
   continuation whose first token merges with the context's last would have lm-eval score part of the context."""
-  from MaxText.input_pipeline import sft
+  from MaxText import chat_template as template_lib
 
-  compiled = sft.compile_template(template)
+  compiled = template_lib.compile_template(template)
   for row in rows:
     turns = [{"role": "user", "content": row["question"]}]
     context = hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    prompt = sft.render(compiled, ours, turns, add_generation_prompt=True)
+    prompt = template_lib.render(compiled, ours, turns, add_generation_prompt=True)
     pairs = [(context, prompt)] + [(context + c, ours.encode_with_specials(context + c)) for c in row["continuations"]]
     for text, expected in pairs:
       if hf(text, add_special_tokens=False).input_ids != expected:
@@ -130,12 +130,12 @@ def check_tokenizer(hf, ours, template: str, rows: list[dict]) -> None:
 def prepare(data_dir: str, eval_dir: str, tokenizer_path: str, limit: int | None = None) -> list[dict]:
   import transformers
 
-  from MaxText.input_pipeline import sft
+  from MaxText import chat_template as template_lib
   from MaxText.input_pipeline import tokenizer as tokenizer_lib
 
   tokenizer_path = os.path.expanduser(tokenizer_path)
   ours = tokenizer_lib.load(tokenizer_path, "sentencepiece")
-  template, _ = sft.find_template("", "", tokenizer_path)  # decode.py's and serve.py's, with no chat_template keys
+  template, _ = template_lib.find_template("", "", tokenizer_path)  # decode.py's and serve.py's, with no chat_template keys
   rows = task_rows(data_dir, reply_prefix(template, ours.special_tokens), limit)
   os.makedirs(eval_dir, exist_ok=True)
   with open(os.path.join(eval_dir, DATA_FILE), "w", encoding="utf-8") as f:
