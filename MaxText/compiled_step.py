@@ -27,6 +27,7 @@ from jax.experimental import serialize_executable
 
 from MaxText import metrics, storage
 from MaxText.common_types import Config, ConfigError
+from MaxText.kernel_capabilities import CAPABILITIES
 
 FORMAT = "maxtext-compiled-train-step-1"
 
@@ -190,8 +191,9 @@ def _tries(config: Config, step: bool, more: str) -> str:
   tries = []
   if step and config.per_device_batch_size > 1:
     tries.append("a smaller per_device_batch_size")
-  if step and config.attention == "dot_product":
-    tries.append("attention=flash")
+  kernel = CAPABILITIES.get(config.attention)  # None for autoselected, which picks a kernel per call
+  if step and kernel is not None and kernel.dense_scores:
+    tries.append(f"attention={kernel.instead[0]}")
   if step and config.remat_policy != "full":
     tries.append("remat_policy=full")
   if config.ici_mesh_shape[config.mesh_axes.index("fsdp")] < config.num_devices // config.num_slices:

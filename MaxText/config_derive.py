@@ -130,9 +130,9 @@ def _batches(values: Mapping, num_devices: int) -> dict:
 
 def last_stack_layers(values: Mapping, num_decoder_layers: int) -> int:
   """The layers of the decoder's last stack: all of them, or those after the first_num_dense_layers dense ones of a
-  family with a dense layer (families.layer_stacks)."""
+  family with dense layers (layers/decoders.layer_stacks)."""
   family = families.get(values["decoder_block"])
-  return num_decoder_layers - (values["first_num_dense_layers"] if family.dense_layer is not None else 0)
+  return num_decoder_layers - (values["first_num_dense_layers"] if family.dense_layers else 0)
 
 
 def mesh_axis_sizes(values: Mapping, d: Mapping) -> dict[str, int]:

@@ -6,20 +6,18 @@
   check_derived(values, derived)            -> what only the derived values tell: the pipeline's layout, and
                                                every sharded dimension splitting over its mesh axes
 
-Keys with a fixed set of values are checked against the lists of the modules that give the values their meaning
-(`choices`): the model families, remat policies, dtypes, kernels, data pipelines, optimizers, ... That is why
-this module sits above the layers; it checks, it computes nothing the run uses (config_derive does).
+Keys with a fixed set of values are checked against `choices`: each component's section (MaxText/sections/: its keys,
+their valid values and its rules, with neither jax nor flax imported), the kernels' capability table and the model
+families. Each section's `check` runs with the rest. This module checks; it computes nothing the run uses
+(config_derive does).
 """
 
 import math
 import os
-import types
 from collections.abc import Collection, Mapping, Sequence
 
-import numpy as np
-
-from MaxText import families, input_pipeline, lora, metrics, objectives, optimizers, storage
-from MaxText.common_types import ConfigError, cut, shown, thaw
+from MaxText import families, kernel_capabilities, objectives, sections, storage
+from MaxText.common_types import Config, ConfigError, cut, shown, thaw
 from MaxText.config_derive import (
   NAME_OF_AXIS,
   OBJECTIVE_FLAGS,
@@ -30,11 +28,8 @@ from MaxText.config_derive import (
 )
 from MaxText.config_derive import objective as config_objective
 from MaxText.config_parse import PATH_KEYS
-from MaxText.inference import sampling
-from MaxText.input_pipeline import tokenizer
-from MaxText.layers import attention_kernels, context_parallel, embeddings, linears, models, moe, quantizations
-from MaxText.rl import loss as rl_loss
-from MaxText.rl import rewards
+from MaxText.sections import layers as layers_section
+from MaxText.sections import reinforcement
 
 # `hardware` -> the JAX platform it runs on (cli.configure_jax sets jax_platforms from it).
 HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
@@ -42,46 +37,28 @@ HARDWARE_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 def choices() -> dict[str, Collection[str]]:
   """Each key with a fixed set of values -> those values, read from the module that owns them (at call time, so
-  a family registered after import counts)."""
+  a family registered after import counts): the sections' (MaxText/sections/), the kernels' and the families'."""
   return {
     "hardware": HARDWARE_PLATFORMS,
-    "dtype": linears.DTYPES,
-    "weight_dtype": linears.DTYPES,
-    "matmul_precision": linears.PRECISIONS,
-    "remat_policy": models.REMAT_POLICIES,
-    "attention": attention_kernels.KERNELS,
-    "rope_type": embeddings.ROPE_TYPES,
+    "attention": kernel_capabilities.CHOICES,
     "decoder_block": families.FAMILIES,
-    "tokenizer_type": tokenizer.LOADERS,
-    "dataset_type": input_pipeline.DATASET_TYPES,
-    "profiler": metrics.PROFILERS,
-    "decode_sampling_strategy": sampling.STRATEGIES,
-    "attention_type": sorted({family.layer.attention_type for family in families.FAMILIES.values()}),
-    "opt_type": optimizers.OPTIMIZERS,
-    "lr_schedule_type": optimizers.SCHEDULES,
-    "wsd_decay_style": optimizers.WSD_DECAY_STYLES,
-    "mu_dtype": ("", *linears.DTYPES),  # "": the parameters' dtype
-    "hf_lora_export": lora.HF_EXPORTS,
-    "context_parallel_strategy": context_parallel.STRATEGIES,
-    "routed_score_func": moe.SCORE_FUNCS,
-    "loss_algo": rl_loss.ALGOS,
-    "loss_agg_mode": rl_loss.AGG_MODES,
-    "quantization": quantizations.QUANTIZATIONS,
-    "kv_quant_dtype": quantizations.KV_QUANT_DTYPES,
-    "kv_quant_axis": quantizations.KV_QUANT_AXES,
+    "attention_type": sorted({family.attention_type for family in families.FAMILIES.values()}),
+    **{key: valid for section in sections.all() for key, valid in section.choices.items()},
   }
 
 
 def validate(values: Mapping) -> None:
-  """Checks that need no devices: choices, names and paths, the model's shape, training, the layers, the axis
-  rules, and the family's own."""
+  """Checks that need no devices: choices, names and paths, the model's shape, each section's rules (training's
+  among them), the objective, the layers, the axis rules, and the family's own."""
   _check_choices(values)
   _check_run_name(values)
   _check_path_names(values)
   _check_local_paths(values)
   _check_model(values)
-  _check_schedule(values)
-  _check_optimizer(values)
+  _check_scale(values)
+  with_dims = {**values, **model_dims(values)}  # what a section's check sees (sections.Section.check)
+  for section in sections.all():
+    section.check(with_dims)
   _check_objective(values)
   _check_post_training(values)
   _check_rl(values)
@@ -90,9 +67,6 @@ def validate(values: Mapping) -> None:
   _check_attention(values)
   _check_layers(values)
   _check_moe(values)
-  _check_scale(values)
-  lora.check({**values, **model_dims(values)})
-  quantizations.check(values)
   families.get(values["decoder_block"]).check(values)
 
 
@@ -101,11 +75,6 @@ def _check_choices(values: Mapping) -> None:
   for key, valid in choices().items():
     if values[key] not in valid:
       raise ConfigError(f"{key}={shown(values[key])} is not supported; choose one of {', '.join(map(repr, valid))}")
-  if not values["mlp_activations"]:
-    raise ConfigError("mlp_activations=[] is empty; give at least one activation, e.g. ['silu','linear']")
-  for act in values["mlp_activations"]:
-    if act not in linears.ACTIVATIONS:
-      raise ConfigError(f"mlp_activations contains {shown(act)}; choose among {', '.join(linears.ACTIVATIONS)}")
   _check_clamped_swiglu(values)
 
 
@@ -115,14 +84,14 @@ def _check_clamped_swiglu(values: Mapping) -> None:
   limit, acts = values["mlp_activations_limit"], list(values["mlp_activations"])
   if limit <= 0:
     return
-  if not families.get(values["decoder_block"]).layer.clamped_swiglu:
+  if not families.get(values["decoder_block"]).clamped_swiglu:
     raise ConfigError(
       f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, which decoder_block={values['decoder_block']} "
       "has not (gpt_oss has); set mlp_activations_limit=-1"
     )
-  if tuple(acts) != linears.CLAMPED_SWIGLU:
+  if tuple(acts) != layers_section.CLAMPED_SWIGLU:
     raise ConfigError(
-      f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, of mlp_activations={list(linears.CLAMPED_SWIGLU)} "
+      f"mlp_activations_limit={limit} is gpt-oss's clamped SwiGLU, of mlp_activations={list(layers_section.CLAMPED_SWIGLU)} "
       f"(now {acts}); set those, or mlp_activations_limit=-1"
     )
 
@@ -224,47 +193,6 @@ def _check_scale(values: Mapping) -> None:
 
 
 # ------------------------------------------------------------------------------------------ training
-def _check_schedule(values: Mapping) -> None:
-  """The step counts, the batch, and the learning-rate schedule's fractions."""
-  _check_positive(values, ("log_period", "checkpoint_period", "gradient_accumulation_steps", "per_device_batch_size"))
-  if values["steps"] == -1 and values["learning_rate_schedule_steps"] == -1:
-    raise ConfigError("steps=-1 needs learning_rate_schedule_steps set; give one of them a positive value")
-  if values["steps"] < -1 or values["steps"] == 0:
-    raise ConfigError(f"steps={shown(values['steps'])} must be positive (or -1 to take learning_rate_schedule_steps)")
-  # The step counts the compiled step sees: the optimizer's int32 step count against the schedule's boundaries (a
-  # count past 2**31 - 1 overflows the jit's int32 arguments) and the accumulation scan's length.
-  for key in ("steps", "learning_rate_schedule_steps", "gradient_accumulation_steps"):
-    if values[key] >= 2**31:
-      raise ConfigError(
-        f"{key}={shown(values[key])} does not fit the int32 step counts of the compiled step; give at most {2**31 - 1}"
-      )
-  if not 0.0 <= values["warmup_steps_fraction"] <= 1.0:
-    raise ConfigError(f"warmup_steps_fraction={values['warmup_steps_fraction']} must be in [0, 1]")
-  if values["lr_schedule_type"] == "wsd":
-    warmup, decay = values["warmup_steps_fraction"], values["wsd_decay_steps_fraction"]
-    if not 0.0 <= decay <= 1.0 or warmup + decay > 1.0:
-      raise ConfigError(
-        f"wsd_decay_steps_fraction={decay} with warmup_steps_fraction={warmup}: the decay must be in [0, 1] and "
-        "fit after the warmup (their sum at most 1)"
-      )
-  if not 0.0 <= values["learning_rate_final_fraction"] <= 1.0:
-    raise ConfigError(f"learning_rate_final_fraction={values['learning_rate_final_fraction']} must be in [0, 1]")
-  if values["learning_rate"] < 0:
-    raise ConfigError(f"learning_rate={values['learning_rate']} is negative; give a peak learning rate >= 0")
-
-
-def _check_optimizer(values: Mapping) -> None:
-  if values["mu_dtype"] and values["opt_type"] not in optimizers.USES_MU_DTYPE:
-    raise ConfigError(
-      f"mu_dtype={values['mu_dtype']} is used by opt_type {' and '.join(optimizers.USES_MU_DTYPE)} only; unset it "
-      f"(mu_dtype='') for opt_type={values['opt_type']}"
-    )
-  if not 0.0 <= values["muon_beta"] < 1.0 or values["muon_consistent_rms"] < 0:
-    raise ConfigError(
-      f"muon_beta={values['muon_beta']} must be in [0, 1) and muon_consistent_rms={values['muon_consistent_rms']} >= 0"
-    )
-
-
 def _objective_said(values: Mapping) -> str:
   """How the config names its training objective: "objective=dpo", or MaxText's "use_dpo=true"."""
   if values["objective"]:
@@ -294,21 +222,17 @@ def _check_post_training(values: Mapping) -> None:
     return
   if values["dataset_type"] == "synthetic":
     raise ConfigError(f"{said} trains on preference pairs; set dataset_type to grain, tfds or hf")
-  if values["dpo_beta"] <= 0 or not 0.0 <= values["dpo_label_smoothing"] <= 0.5:
-    raise ConfigError(
-      f"dpo_beta={values['dpo_beta']} must be > 0 and dpo_label_smoothing={values['dpo_label_smoothing']} in [0, 0.5]"
-    )
   if values["num_vocab_tiling"] > 1:
     raise ConfigError(f"num_vocab_tiling={values['num_vocab_tiling']}: DPO computes whole logits; set num_vocab_tiling=1")
 
 
 def _check_rl(values: Mapping) -> None:
-  """Reinforcement learning: its rewards and groups (rewards.check), its data, the sampling that makes groups
-  differ, and the loss's numbers."""
-  rl = config_objective(values) == "rl"
-  rewards.check(values, _objective_said(values) if rl else None)
-  if not rl:
+  """Reinforcement learning, when the run trains with it: a reward and groups (sections.reinforcement's
+  check_rewards), its data, the sampling that makes groups differ, and steps in whole batches of rollouts (the
+  section has checked the loss's numbers)."""
+  if config_objective(values) != "rl":
     return
+  reinforcement.check_rewards(values, _objective_said(values))
   if values["dataset_type"] == "synthetic":
     raise ConfigError(f"{_objective_said(values)} samples completions of prompts; set dataset_type to grain, tfds or hf")
   top_1 = values["decode_sampling_strategy"] == "topk" and values["decode_sampling_top_k"] == 1
@@ -320,8 +244,6 @@ def _check_rl(values: Mapping) -> None:
       "with top_k > 1) with a temperature > 0"
     )
   mu = values["num_iterations"]
-  if mu < 1:
-    raise ConfigError(f"num_iterations={mu} must be at least 1 (policy updates per batch of rollouts)")
   counts = {"steps": values["learning_rate_schedule_steps"] if values["steps"] == -1 else values["steps"]}
   if values["enable_checkpointing"]:
     counts["checkpoint_period"] = values["checkpoint_period"]
@@ -331,11 +253,6 @@ def _check_rl(values: Mapping) -> None:
         f"{key}={values[key]} ({count} steps) is not a multiple of num_iterations={mu}: a run stops and saves only "
         f"between batches of rollouts; give a multiple of {mu}"
       )
-  if values["grpo_beta"] < 0 or not 0 < values["grpo_epsilon"] < 1 or values["epsilon_high"] <= 0:
-    raise ConfigError(
-      f"grpo_beta={values['grpo_beta']} must be >= 0, grpo_epsilon={values['grpo_epsilon']} in (0, 1) and "
-      f"epsilon_high={values['epsilon_high']} > 0"
-    )
   if values["num_vocab_tiling"] > 1:
     raise ConfigError(f"num_vocab_tiling={values['num_vocab_tiling']}: RL computes whole logits; set num_vocab_tiling=1")
 
@@ -365,14 +282,14 @@ def _check_layers(values: Mapping) -> None:
   many dense layers come before its MoE layers."""
   block = values["decoder_block"]
   family = families.get(block)
-  if values["attention_type"] != family.layer.attention_type:
+  if values["attention_type"] != family.attention_type:
     raise ConfigError(
       f"attention_type={shown(values['attention_type'])}: decoder_block={block} needs "
-      f"attention_type={family.layer.attention_type!r}"
+      f"attention_type={family.attention_type!r}"
     )
   first, layers = values["first_num_dense_layers"], values["base_num_decoder_layers"]
-  if first and family.dense_layer is None:
-    with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layer is not None)
+  if first and not family.dense_layers:
+    with_dense = ", ".join(name for name, f in families.FAMILIES.items() if f.dense_layers)
     raise ConfigError(
       f"first_num_dense_layers={first}: decoder_block={block} has no dense layers; set it to 0 ({with_dense} has)"
     )
@@ -403,57 +320,49 @@ def _check_moe(values: Mapping) -> None:
 
 
 def _check_router(values: Mapping) -> None:
-  """Sigmoid routing's bias and groups (DeepSeek-V3), and the router's weights."""
-  n, k = values["num_experts"], values["num_experts_per_tok"]
-  groups, top_groups = values["n_routing_groups"], values["topk_routing_group"]
-  if groups > 0 and values["routed_score_func"] != "sigmoid":
-    raise ConfigError("n_routing_groups applies to sigmoid routing; set routed_score_func=sigmoid")
-  if groups > 0 and (n % groups or not 1 <= top_groups <= groups or k > top_groups * (n // groups) or n // groups < 2):
-    raise ConfigError(
-      f"n_routing_groups={groups}, topk_routing_group={top_groups}: the groups must split num_experts={n} evenly into "
-      f"groups of at least 2, with 1 <= topk_routing_group <= n_routing_groups holding num_experts_per_tok={k} experts"
-    )
+  """A bias on the router's logits, which only some families' layers have (the router's own rules, sigmoid
+  routing's bias and groups (DeepSeek-V3) and the router's weights, are sections.router's)."""
   sigmoid_bias = values["routed_bias"] and values["routed_score_func"] == "sigmoid"
-  layer = families.get(values["decoder_block"]).layer
-  if values["routed_bias"] and not sigmoid_bias and not layer.router_logit_bias:
+  family = families.get(values["decoder_block"])
+  if values["routed_bias"] and not sigmoid_bias and not family.router_logit_bias:
     raise ConfigError(
       f"routed_bias=true under softmax routing is a bias on the router's logits, which decoder_block="
       f"{values['decoder_block']} has not (gpt_oss has); set routed_score_func=sigmoid (DeepSeek-V3's choice bias) or "
       "routed_bias=false"
     )
-  if values["routed_bias_update_rate"] < 0 or (values["routed_bias_update_rate"] > 0 and not sigmoid_bias):
-    raise ConfigError(
-      f"routed_bias_update_rate={values['routed_bias_update_rate']} must be >= 0, and updates the bias of "
-      "routed_bias=true under sigmoid routing; set routed_bias=true and routed_score_func=sigmoid, or the rate to 0"
-    )
-  if values["routed_scaling_factor"] <= 0 or values["shared_experts"] < 0 or values["load_balance_loss_weight"] < 0:
-    raise ConfigError(
-      f"routed_scaling_factor={values['routed_scaling_factor']} must be positive, shared_experts="
-      f"{values['shared_experts']} and load_balance_loss_weight={values['load_balance_loss_weight']} >= 0"
-    )
 
 
 def _check_attention(values: Mapping) -> None:
-  """What the chosen attention kernel cannot do, known before any device work (attention_kernels raises the same
-  errors when the step is traced, for anything only the traced shapes tell)."""
-  name, settings = values["attention"], types.SimpleNamespace(**values)
-  if name.startswith("cudnn"):
-    if values["hardware"] != "gpu":
-      raise ConfigError(
-        f"attention={name} is cuDNN fused attention, for NVIDIA GPUs; set hardware=gpu, or use attention=flash"
-      )
-    head_dim = values["head_dim"]
-    if values["attention_type"] == "mla":  # the width MLA gives the kernel (attention_mla.py pads to it)
-      head_dim = max(values["qk_nope_head_dim"] + values["qk_rope_head_dim"], values["v_head_dim"])
-    shape = (1, values["max_target_length"], values["base_num_query_heads"], head_dim)
-    window, cap = values["sliding_window_size"], values["attn_logits_soft_cap"]
-    sinks = np.zeros(values["base_num_query_heads"]) if families.get(values["decoder_block"]).layer.attention_sinks else None
-    dtype = linears.DTYPES[values["dtype"]]
-    reason = attention_kernels.cudnn_unsupported_reason(settings, shape, dtype, window, cap, sinks=sinks)
-    if reason:
-      raise ConfigError(f"attention={name}: {reason}; use attention=flash or attention=dot_product")
-  if name == "flash" and (values["hardware"] == "tpu" or values["compile_topology"]):
-    attention_kernels.splash_blocks(settings, values["max_target_length"])
+  """What the chosen attention kernel cannot do, known before any device work: its row of the capability table
+  (kernel_capabilities), which attention_kernels reads too when the step is traced, for anything only the traced
+  shapes tell. autoselected picks a kernel that runs each call, so it has nothing to refuse here."""
+  name = values["attention"]
+  kernel = kernel_capabilities.CAPABILITIES.get(name)
+  if kernel is None:
+    return
+  if values["hardware"] not in kernel.platforms:
+    raise ConfigError(
+      f"attention={name} is {kernel.title}, for {kernel.where}; set hardware={kernel.platforms[0]}, or use "
+      f"attention={kernel.instead[0]}"
+    )
+  head_dim = values["head_dim"]
+  if values["attention_type"] == "mla":  # the width MLA gives the kernel (attention_mla.py pads to it)
+    head_dim = max(values["qk_nope_head_dim"] + values["qk_rope_head_dim"], values["v_head_dim"])
+  call = kernel_capabilities.Call(
+    length=values["max_target_length"],
+    head_dim=head_dim,
+    dtype=values["dtype"],
+    cap=values["attn_logits_soft_cap"],
+    windowed=values["sliding_window_size"] > 0,
+    sinks=bool(families.get(values["decoder_block"]).attention_sinks),
+    chunked=values["chunk_attn_window_size"] > 0,
+  )
+  reason = kernel.refusal(call)
+  if reason:
+    raise kernel.refused(reason)
+  tiles = kernel.tiles.get("tpu" if values["compile_topology"] else values["hardware"])
+  if tiles is not None:
+    tiles(Config(values), values["max_target_length"])
 
 
 # ------------------------------------------------------------------------------------------ mesh axes
@@ -627,10 +536,11 @@ def _check_sequence_splits(values: Mapping, d: Mapping) -> None:
       f"pipeline parallelism ({stages} stages) with sequences split over {axes} is not supported yet; set the "
       "*_pipeline_parallelism or the *_context/_sequence_parallelism keys to 1"
     )
-  if values["attention"].startswith("cudnn"):
+  kernel = kernel_capabilities.CAPABILITIES.get(values["attention"])
+  if kernel is not None and kernel.whole_sequences:
     raise ConfigError(
-      f"attention={values['attention']} (cuDNN) does not run under context parallelism ({axes}); use "
-      "attention=flash or dot_product"
+      f"attention={values['attention']} ({kernel.family}) does not run under context parallelism ({axes}); use "
+      f"attention={' or '.join(kernel.instead)}"
     )
 
 

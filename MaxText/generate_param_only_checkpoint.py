@@ -19,13 +19,13 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 
 import jax
 
-from MaxText import checkpointing, cli, families, lora, pyconfig, sharding, storage
+from MaxText import checkpointing, cli, lora, pyconfig, sharding, storage
 from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError
-from MaxText.layers import models
+from MaxText.layers import decoders, models
 
 
-def unroll(params: dict, stacks: list[families.Stack]) -> dict:
+def unroll(params: dict, stacks: list[decoders.Stack]) -> dict:
   """Scanned params (each stack's layers on axis 0 of params[stack.name]) -> unrolled ones (params[name_<j>])."""
   out = {k: v for k, v in params.items() if k not in {stack.name for stack in stacks}}
   for stack in stacks:
@@ -52,7 +52,7 @@ def generate(config: Config) -> str:
   if config.force_unroll and config.scan_layers:
     unrolled = pyconfig.replace(config, scan_layers=False)
     _, shardings = state_lib.params_layout(models.Transformer(unrolled, mesh), unrolled, mesh)
-    params = jax.jit(lambda p: unroll(p, families.layer_stacks(config)), out_shardings=shardings)(params)
+    params = jax.jit(lambda p: unroll(p, decoders.layer_stacks(config)), out_shardings=shardings)(params)
 
   path = checkpointing.save_params(target, params)
   print(f"Wrote the params of {source} to {path}", flush=True)

@@ -14,6 +14,7 @@ import jax
 from MaxText import storage
 from MaxText.common_types import Config
 from MaxText.layers import decoders
+from MaxText.sections import profiler as section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +262,7 @@ def format_goodput(report: dict[str, float]) -> str:
   return line
 
 
-PROFILERS = ("", "xplane")  # `profiler`: none, or a JAX (XPlane) trace that TensorBoard's profile plugin reads
+PROFILERS = section.PROFILERS  # `profiler`: none, or a JAX (XPlane) trace that TensorBoard's profile plugin reads
 
 
 class Profiler:

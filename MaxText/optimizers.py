@@ -17,9 +17,9 @@ from MaxText import lora
 from MaxText.common_types import Config
 from MaxText.layers import models
 from MaxText.layers.linears import DTYPES
+from MaxText.sections import implement
+from MaxText.sections import optimizer as section
 
-SCHEDULES = ("cosine", "wsd")  # lr_schedule_type
-WSD_DECAY_STYLES = ("linear", "cosine")
 # The keys that set every step's learning rate (learning_rate_schedule's; its warmup_steps is warmup_steps_fraction
 # of learning_rate_schedule_steps, which is `steps` unless given).
 SCHEDULE_KEYS = (
@@ -130,14 +130,16 @@ def _muon_with(config: Config, schedule: optax.Schedule, dimensions) -> optax.Gr
 
 
 # opt_type -> the optimizer (before clipping), from the config and the schedule.
-OPTIMIZERS = {
-  "adamw": _adamw,
-  "adam_pax": _adam_pax,
-  "sgd": lambda config, schedule: optax.sgd(schedule),
-  "adafactor": lambda config, schedule: optax.adafactor(schedule),
-  "muon": _muon,
-}
-USES_MU_DTYPE = ("adamw", "muon")
+OPTIMIZERS = implement(
+  section.OPTIMIZERS,
+  {
+    "adamw": _adamw,
+    "adam_pax": _adam_pax,
+    "sgd": lambda config, schedule: optax.sgd(schedule),
+    "adafactor": lambda config, schedule: optax.adafactor(schedule),
+    "muon": _muon,
+  },
+)
 
 
 def _adam(config: Config) -> dict:

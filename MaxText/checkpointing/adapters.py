@@ -9,6 +9,7 @@ import jax
 from MaxText import integrity, lora
 from MaxText.checkpointing.damage import _metadata
 from MaxText.common_types import Config
+from MaxText.layers import decoders
 from MaxText.state import StateLayout
 
 
@@ -34,7 +35,7 @@ def _with_peft_adapter(config: Config, layout: StateLayout, params: dict) -> dic
   from MaxText.convert import peft
 
   adapters, shardings = lora.partition(layout.abstract.params)[0], lora.partition(layout.shardings.params)[0]
-  where = lambda path, i: families.param_path(config, path, i)  # noqa: E731
+  where = lambda path, i: decoders.param_path(config, path, i)  # noqa: E731
   read = peft.read_adapter(config.hf_lora_adapter_path, config, families.hf_mapping(config), adapters, where)
   placed = jax.tree_util.tree_map(lambda x, a, s: jax.device_put(x.astype(a.dtype), s), read, adapters, shardings)
   return lora.combine(placed, lora.partition(params)[1])

@@ -76,7 +76,7 @@ def _model_keys_hint(path: str, resuming: bool) -> str:
 def _layer_layout_mismatch(path: str, missing: str, stored) -> str | None:
   """The message for a checkpoint whose decoder layers are stacked (scan_layers=true: params.layers) while the
   config wants them one by one (params.layers_0, ...), or the reverse; None if that is not why `missing` is."""
-  # A layer stack's name is `layers`, or DeepSeek's dense_layers / moe_layers (families.layer_stacks).
+  # A layer stack's name is `layers`, or DeepSeek's dense_layers / moe_layers (decoders.layer_stacks).
   scanned, unrolled = re.compile(r"(^|\.)(\w+_)?layers\."), re.compile(r"(^|\.)(\w+_)?layers_\d+\.")
   if scanned.search(missing) and any(unrolled.search(name) for name in stored):
     return (

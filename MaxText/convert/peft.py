@@ -5,7 +5,7 @@ PEFT names an adapter's tensors base_model.model.{module}.lora_A.weight [r, in] 
 lora_alpha / r, as we do (MaxText/lora.py). The linear groups of hf_families carry the conversion of their adapters
 (Group.adapter): A converts as the kernel's inputs do, B as its outputs.
 
-`where(path, layer)` is families.param_path bound to the config: where a per-layer path of ours lives in the
+`where(path, layer)` is decoders.param_path bound to the config: where a per-layer path of ours lives in the
 params (a scanned stack and an index, or a layer of its own).
 """
 

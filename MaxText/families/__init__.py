@@ -1,15 +1,21 @@
 """Model families: one registered `Family` per `decoder_block` value, owning all that is particular to it.
 
 A family is two files: its decoder layer in layers/ (a subclass of LlamaDecoderLayer that changes its hooks, or
-Llama's own) and its module here, `MaxText/families/<decoder_block>.py`, which defines `FAMILY = Family(...)`: the
-layer, the config checks and derived keys (pyconfig runs them), the Hugging Face mapping (convert/hf_families.py:
-config.json keys both ways, architecture, tensor layout) and the small transformers models its parity test builds.
-The modules are found by listing this package, so the valid `decoder_block` values are the names in FAMILIES and no
-list anywhere names them. Registering a family also gives its layer to the layers' own registry (layers/decoders.py),
-which is how the model finds it without the layers importing this package.
+Llama's own) and its module here, `MaxText/families/<decoder_block>.py`, which defines `FAMILY = Family(...)`: where
+its layer is, the layer's traits the config is checked against, the config checks and derived keys (pyconfig runs
+them), the Hugging Face mapping (convert/hf_families.py: config.json keys both ways, architecture, tensor layout) and
+the small transformers models its parity test builds. The modules are found by listing this package, so the valid
+`decoder_block` values are the names in FAMILIES and no list anywhere names them.
+
+This package imports neither jax nor flax, so reading a config needs neither: a family names its layer by its import
+path ("MaxText.layers.gemma3:Gemma3DecoderLayer"), which layers/decoders.py imports when a model is built, and
+declares the layer's traits (attention_type, moe, ...) that pyconfig checks; families_test checks that they are the
+layer class's own. What a family's layer and its Hugging Face mapping share (which layers are global, MoE, NoPE)
+lives here, and the layer imports it.
 """
 
 import dataclasses
+import functools
 import importlib
 import os
 import pkgutil
@@ -17,16 +23,11 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flax import linen as nn
-
 from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
-from MaxText.layers import decoders
-from MaxText.layers.decoders import Stack, layer_stacks, param_path
 
-__all__ = ["FAMILIES", "Family", "Stack", "for_hf_config", "get", "hf_mapping", "layer_stacks", "model_keys_from_hf"]
-__all__ += ["no_checks", "param_path", "presets", "register", "rope_rotates_pairs", "summary_table", "text_tower"]
-__all__ += ["unregister"]
+__all__ = ["FAMILIES", "Family", "for_hf_config", "get", "hf_mapping", "model_keys_from_hf", "no_checks", "presets"]
+__all__ += ["register", "rope_rotates_pairs", "summary_table", "text_tower", "unregister"]
 
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 
@@ -45,12 +46,22 @@ def rope_rotates_pairs(values: Mapping[str, Any]) -> None:
     raise ConfigError(f"head_dim={values['head_dim']} is odd; rotary embeddings rotate pairs, use an even head_dim")
 
 
+def _resolve(layer):
+  """A layer class, or the one an import path "module:Class" names (imported now)."""
+  if not isinstance(layer, str):
+    return layer
+  module, name = layer.split(":")
+  return getattr(importlib.import_module(module), name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A model family: its layer, its config checks and derived keys, its Hugging Face mapping."""
+  """A model family: its layer and the layer's traits, its config checks and derived keys, its Hugging Face mapping."""
 
   name: str  # the decoder_block value, and the name of the family's module in this package
-  layer: type[nn.Module]  # the decoder layer: x [batch, length, embed] -> (x, kv); see layers/llama.py
+  # The decoder layer (x [batch, length, embed] -> (x, kv); see layers/llama.py): its import path "module:Class", or
+  # the class itself (a test's family).
+  layer: Any
   hf: hf_families.HFMapping | None = None  # the Hugging Face mapping; None: no import or export
   # Raises ConfigError for typed config values (pyconfig.parse's) this family cannot run; the default suits a
   # family with rotary embeddings.
@@ -62,32 +73,34 @@ class Family:
   # (tests/hf_checkpoint_test.py) run each against transformers. A family with an `hf` mapping needs one.
   hf_examples: Mapping[str, hf_families.HFExample] = dataclasses.field(default_factory=dict)
 
-  # The layer's traits, which pyconfig checks the config against.
-  @property
-  def moe(self) -> bool:
-    """Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2."""
-    return self.layer.moe
+  # The layer's traits, which pyconfig checks the config against (the layer class's attributes of the same names:
+  # families_test checks that they agree).
+  attention_type: str = "global"  # the config's attention_type it runs (MaxText's key): "mla" for MLA
+  moe: bool = False  # its MLP is a mixture of experts (layers/moe.py): num_experts >= 2
+  dense_layers: bool = False  # its first first_num_dense_layers layers are a dense layer class (DeepSeek's)
+  clamped_swiglu: bool = False  # it has gpt-oss's clamped SwiGLU (mlp_activations_limit)
+  router_logit_bias: bool = False  # its router has a bias on its logits (routed_bias under softmax routing)
+  attention_sinks: bool = False  # its attention has a learned sink logit per head
 
-  @property
-  def dense_layer(self) -> type[nn.Module] | None:
-    """The layer of the first first_num_dense_layers layers (DeepSeek's dense ones); None: every layer is `layer`."""
-    return self.layer.dense_layer
+  @functools.cached_property
+  def layer_class(self):
+    """The decoder layer class (its module imported on first use)."""
+    return _resolve(self.layer)
 
 
 FAMILIES: dict[str, Family] = {}
 
 
 def register(family: Family) -> None:
-  """Adds a family (its module's FAMILY, or one a test defines) to FAMILIES and its layer to the layers' registry."""
+  """Adds a family (its module's FAMILY, or one a test defines) to FAMILIES."""
   if family.name in FAMILIES:
     raise ValueError(f"a family named {family.name!r} is registered already")
   FAMILIES[family.name] = family
-  decoders.DECODER_LAYERS[family.name] = family.layer
 
 
 def unregister(name: str) -> None:
   """Removes a registered family (a test's throwaway one)."""
-  del FAMILIES[name], decoders.DECODER_LAYERS[name]
+  del FAMILIES[name]
 
 
 def _register_modules() -> None:

@@ -8,7 +8,6 @@ from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.deepseek import DeepSeekMoeLayer
 
 
 def check(values: Mapping[str, Any]) -> None:
@@ -214,7 +213,7 @@ _YARN |= {"mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 8.0, "beta_slow": 2
 
 FAMILY = Family(
   "deepseek",
-  DeepSeekMoeLayer,
+  "MaxText.layers.deepseek:DeepSeekMoeLayer",
   hf_families.HFMapping("deepseek_v3", "DeepseekV3ForCausalLM", read, write, layout, ignored),
   check=check,
   summary=(
@@ -231,4 +230,7 @@ FAMILY = Family(
       scan_layers=False,
     ),
   },
+  attention_type="mla",
+  moe=True,
+  dense_layers=True,
 )

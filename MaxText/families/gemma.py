@@ -3,11 +3,10 @@
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.gemma import GemmaDecoderLayer
 
 FAMILY = Family(
   "gemma",
-  GemmaDecoderLayer,
+  "MaxText.layers.gemma:GemmaDecoderLayer",
   hf_families.llama_like("gemma", "GemmaForCausalLM", gelu=True, tied_by_default=True),
   summary="RMSNorm weights as offsets from 1, embeddings scaled by sqrt(emb_dim), GeGLU, tied output",
   hf_examples={

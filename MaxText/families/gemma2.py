@@ -6,7 +6,6 @@ from MaxText.common_types import Config
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.gemma2 import Gemma2DecoderLayer
 
 
 def layer_types(num_layers: int) -> list[str]:
@@ -43,7 +42,7 @@ NORMS = (
 
 FAMILY = Family(
   "gemma2",
-  Gemma2DecoderLayer,
+  "MaxText.layers.gemma2:Gemma2DecoderLayer",
   hf_families.llama_like(
     "gemma2", "Gemma2ForCausalLM", gelu=True, tied_by_default=True, norms=NORMS, read=read, write=write
   ),

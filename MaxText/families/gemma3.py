@@ -10,7 +10,6 @@ from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family, rope_rotates_pairs
-from MaxText.layers.gemma3 import GLOBAL_EVERY, Gemma3DecoderLayer, is_global, local_rope_theta
 
 # transformers' Gemma3TextConfig defaults, which its config.json may leave out: the multimodal checkpoints' text_config
 # names only what differs from them (the 4B's has no head_dim, heads or vocab_size).
@@ -31,6 +30,17 @@ TEXT_DEFAULTS = {
   "rope_local_base_freq": 10_000.0,
 }
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
+GLOBAL_EVERY = 6  # one global layer in six: transformers' sliding_window_pattern
+
+
+def is_global(layer_index):
+  """Whether layer `layer_index` (an int, or a traced index inside a scan) attends globally: the last of every six."""
+  return (layer_index + 1) % GLOBAL_EVERY == 0
+
+
+def local_rope_theta(config) -> float:
+  """The local layers' RoPE theta: local_rope_max_timescale, or rope_max_timescale where it is -1."""
+  return config.rope_max_timescale if config.local_rope_max_timescale < 0 else config.local_rope_max_timescale
 
 
 def layer_types(num_layers: int) -> list[str]:
@@ -155,7 +165,7 @@ TOWER = hf_families.TextTower(
 
 FAMILY = Family(
   "gemma3",
-  Gemma3DecoderLayer,
+  "MaxText.layers.gemma3:Gemma3DecoderLayer",
   dataclasses.replace(_TEXT, read_config=read_config, text_tower=TOWER),
   check=check,
   summary=(

@@ -7,7 +7,6 @@ from MaxText.common_types import Config
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import HFExample
 from MaxText.families import Family, no_checks
-from MaxText.layers.gpt3 import Gpt3DecoderLayer
 
 
 def read(config_json: Mapping) -> dict:
@@ -84,7 +83,7 @@ def ignored(name: str, cfg: Config) -> bool:
 
 FAMILY = Family(
   "gpt3",
-  Gpt3DecoderLayer,
+  "MaxText.layers.gpt3:Gpt3DecoderLayer",
   hf_families.HFMapping("gpt2", "GPT2LMHeadModel", read, write, layout, ignored),
   check=no_checks,  # No RoPE: learned positions (trainable_position_size).
   summary=(

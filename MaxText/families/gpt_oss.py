@@ -10,8 +10,7 @@ from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample, bias, interleaved, linear, same
 from MaxText.families import Family
-from MaxText.layers.gpt_oss import GptOssDecoderLayer
-from MaxText.layers.linears import CLAMPED_SWIGLU, SWIGLU_ALPHA
+from MaxText.sections.layers import CLAMPED_SWIGLU, SWIGLU_ALPHA
 
 QUANTIZATIONS = ("mxfp4",)  # config.json's quantization_config.quant_method values the importer dequantizes
 
@@ -98,7 +97,7 @@ YARN_64 = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_
 
 FAMILY = Family(
   "gpt_oss",
-  GptOssDecoderLayer,
+  "MaxText.layers.gpt_oss:GptOssDecoderLayer",
   dataclasses.replace(LLAMA_LIKE, read_config=read_config, layout=layout, quantizations=QUANTIZATIONS),
   summary=(
     "biases on every attention projection, attention sinks, local (even) and global (odd) layers, a mixture of "
@@ -123,4 +122,8 @@ FAMILY = Family(
       max_shard_size="100KB",
     ),
   },
+  moe=True,
+  clamped_swiglu=True,
+  router_logit_bias=True,
+  attention_sinks=True,
 )

@@ -3,13 +3,12 @@
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.llama import LlamaDecoderLayer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 FAMILY = Family(
   "llama2",
-  LlamaDecoderLayer,
+  "MaxText.layers.llama:LlamaDecoderLayer",
   hf_families.llama_like("llama", "LlamaForCausalLM"),
   summary="(RMSNorm, RoPE incl. Llama 3.1 scaling, GQA, SwiGLU)",
   hf_examples={

@@ -11,7 +11,22 @@ from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, Group, HFExample
 from MaxText.families import Family, rope_rotates_pairs
-from MaxText.layers.llama4 import Llama4MoeLayer, is_moe_layer, is_nope_layer
+
+
+def is_nope_layer(config: Config, layer_index):
+  """Whether layer `layer_index` (an int, or a traced index) has no RoPE: every nope_layer_interval-th layer, counting
+  from 1 (transformers' no_rope_layers default). A python bool for an int index, or when no layer is one."""
+  interval = config.nope_layer_interval
+  if interval <= 0:
+    return False
+  return (layer_index + 1) % interval == 0
+
+
+def is_moe_layer(config: Config, layer_index: int) -> bool:
+  """Whether layer `layer_index` has the mixture of experts: every interleave_moe_layer_step-th, counting from 1
+  (transformers' moe_layers default, range(step - 1, layers, step))."""
+  return (layer_index + 1) % config.interleave_moe_layer_step == 0
+
 
 # What Llama 4's mixture of experts is (layers/llama4.py); a llama4 config that says otherwise is refused.
 ROUTING = {
@@ -196,7 +211,7 @@ _EXAMPLE |= {"attn_temperature_tuning": True, "attn_scale": 0.3}
 
 FAMILY = Family(
   "llama4",
-  Llama4MoeLayer,
+  "MaxText.layers.llama4:Llama4MoeLayer",
   hf_families.HFMapping(
     _BASE.model_type, _BASE.architecture, _BASE.read_config, _BASE.write_config, layout, text_tower=PUBLISHED
   ),
@@ -232,4 +247,5 @@ FAMILY = Family(
       scan_layers=False,
     ),
   },
+  moe=True,
 )

@@ -6,7 +6,6 @@ from MaxText.common_types import Config
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.mistral import MistralDecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
@@ -20,7 +19,7 @@ def write(cfg: Config) -> dict:
 
 FAMILY = Family(
   "mistral",
-  MistralDecoderLayer,
+  "MaxText.layers.mistral:MistralDecoderLayer",
   hf_families.llama_like("mistral", "MistralForCausalLM", read=read, write=write),
   summary="sliding-window attention in every layer (`sliding_window_size`)",
   hf_examples={

@@ -6,7 +6,6 @@ from MaxText.common_types import Config, ConfigError
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family, mistral
-from MaxText.layers.mixtral import MixtralDecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
@@ -31,7 +30,7 @@ def write(cfg: Config) -> dict:
 
 FAMILY = Family(
   "mixtral",
-  MixtralDecoderLayer,
+  "MaxText.layers.mixtral:MixtralDecoderLayer",
   hf_families.llama_like(
     "mixtral",
     "MixtralForCausalLM",
@@ -48,4 +47,5 @@ FAMILY = Family(
       | {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}
     ),
   },
+  moe=True,
 )

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.qwen2 import Qwen2DecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
@@ -18,7 +17,7 @@ write = hf_families.write_full_attention
 
 FAMILY = Family(
   "qwen2",
-  Qwen2DecoderLayer,
+  "MaxText.layers.qwen2:Qwen2DecoderLayer",
   hf_families.llama_like("qwen2", "Qwen2ForCausalLM", read=read, write=write, qkv_bias=True),
   summary="biases on the query, key and value projections",
   hf_examples={

@@ -5,7 +5,6 @@ from collections.abc import Mapping
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family
-from MaxText.layers.qwen3 import Qwen3DecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
@@ -24,7 +23,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 FAMILY = Family(
   "qwen3",
-  Qwen3DecoderLayer,
+  "MaxText.layers.qwen3:Qwen3DecoderLayer",
   hf_families.llama_like("qwen3", "Qwen3ForCausalLM", norms=NORMS, read=read, write=write),
   summary="RMSNorm of each query and key head (QK-norm)",
   hf_examples={

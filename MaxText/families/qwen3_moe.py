@@ -6,7 +6,6 @@ from MaxText.common_types import Config
 from MaxText.convert import hf_families
 from MaxText.convert.hf_families import SMALL, HFExample
 from MaxText.families import Family, qwen3
-from MaxText.layers.qwen3_moe import Qwen3MoeDecoderLayer
 
 
 def read(config_json: Mapping, keys: dict) -> dict:
@@ -37,7 +36,7 @@ def write(cfg: Config) -> dict:
 
 FAMILY = Family(
   "qwen3_moe",
-  Qwen3MoeDecoderLayer,
+  "MaxText.layers.qwen3_moe:Qwen3MoeDecoderLayer",
   hf_families.llama_like(
     "qwen3_moe",
     "Qwen3MoeForCausalLM",
@@ -56,4 +55,5 @@ FAMILY = Family(
       scan_layers=False,
     ),
   },
+  moe=True,
 )

@@ -26,10 +26,12 @@ from collections.abc import Callable
 
 import jax
 
+from MaxText import chat_template as template_lib
 from MaxText import storage
 from MaxText.common_types import Config, ConfigError, cut, shown
 from MaxText.input_pipeline import tokenizer
 from MaxText.input_pipeline.synthetic import SyntheticIterator
+from MaxText.sections import data as section
 
 BATCH_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
 
@@ -219,7 +221,7 @@ def _json_document_problem(path: str) -> str | None:
 
 # dataset_type -> (config, is the train split) -> random-access records.
 TEXT_SOURCES = {"grain": _grain_source, "tfds": _tfds_source, "hf": _hf_source}
-DATASET_TYPES = ("synthetic", *TEXT_SOURCES)
+DATASET_TYPES = section.DATASET_TYPES  # "synthetic", then TEXT_SOURCES
 
 
 def records(config: Config, split: str):
@@ -274,8 +276,8 @@ def _fine_tuning(config: Config, split: str, preferences: bool):
     columns = sft.check_columns(getattr(config, key), key, config.use_chat_template)
   template = None
   if config.use_chat_template:
-    template, _ = sft.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
-    sft.compile_template(template)
+    template, _ = template_lib.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
+    template_lib.compile_template(template)
   return (sft.Preference if preferences else sft.Conversation)(
     tokenizer_path=os.path.expanduser(config.tokenizer_path),
     tokenizer_type=config.tokenizer_type,

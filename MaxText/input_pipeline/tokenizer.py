@@ -21,6 +21,8 @@ import numpy as np
 
 from MaxText import storage
 from MaxText.common_types import Config, ConfigError
+from MaxText.sections import implement
+from MaxText.sections.data import TOKENIZER_TYPES
 
 _FILES = {
   "sentencepiece": "a SentencePiece model",
@@ -237,7 +239,7 @@ def _huggingface(path: str) -> Tokenizer:
   )
 
 
-LOADERS = {"sentencepiece": _sentencepiece, "tiktoken": _tiktoken, "huggingface": _huggingface}
+LOADERS = implement(TOKENIZER_TYPES, {"sentencepiece": _sentencepiece, "tiktoken": _tiktoken, "huggingface": _huggingface})
 
 
 def load(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:

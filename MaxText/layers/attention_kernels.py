@@ -16,6 +16,9 @@ They differ in where they run and in memory:
   the same kernel. cuDNN lacks some features (soft cap, float32, traced windows, sinks); asking for them raises
   `ValueError`, never a silent wrong answer.
 
+What each kernel can do (platforms, context parallelism, sinks, soft cap, traced windows, chunks, dtypes, head
+widths, tiles, memory) is its row of kernel_capabilities.CAPABILITIES, which `select`, `attend`, the config checks
+and context parallelism read; this module's `_DISPATCH` maps the same names to the functions that run them.
 Every kernel supports chunks (python or traced), and all but cuDNN sinks (with their gradient). Every kernel takes q,
 k, v, the segment ids (and positions) it masks by, and one `AttentionSettings` (window, chunk, sinks, soft cap,
 precision, tiles, config). Importing this module does not load Pallas: splash imports it when it builds a kernel.
@@ -31,10 +34,12 @@ positions may not be contiguous, may differ; they never reach other rows or the 
 import jax
 import jax.numpy as jnp
 
+from MaxText import kernel_capabilities
 from MaxText.common_types import Config, ConfigError
+from MaxText.kernel_capabilities import CAPABILITIES, SHORT_SEQUENCE
 from MaxText.layers.attention_blockwise import blockwise_attention
-from MaxText.layers.attention_cudnn import GPU_PLATFORMS, cudnn_attention, cudnn_unsupported_reason
-from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, dense_scores, sink_softmax
+from MaxText.layers.attention_cudnn import cudnn_attention
+from MaxText.layers.attention_masks import MASK_VALUE, AttentionSettings, Tokens, dense_scores, is_static, sink_softmax
 from MaxText.layers.attention_splash import splash_attention, splash_block_sizes, splash_blocks, splash_takes_sinks
 
 __all__ = [
@@ -44,7 +49,6 @@ __all__ = [
   "attend",
   "blockwise_attention",
   "cudnn_attention",
-  "cudnn_unsupported_reason",
   "dense_attention",
   "dot_product_attention",
   "platform_of",
@@ -52,14 +56,11 @@ __all__ = [
   "splash_attention",
   "splash_block_sizes",
   "splash_blocks",
+  "unsupported_reason",
 ]
 
-# The values of the `attention` config key (MaxText's names).
-KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_jax", "cudnn_flash_te")
-
-# Below this length `autoselected` picks dot_product on CPU and GPU: its [length, length] scores are small and one
-# fused einsum beats a loop over blocks (TPU takes splash whenever the length fits its blocks).
-SHORT_SEQUENCE = 1024
+# The values of the `attention` config key (MaxText's names): "autoselected" and the rows of the capability table.
+KERNELS = kernel_capabilities.CHOICES
 
 
 def dot_product_attention(q, k, v, segment_ids, positions, settings: AttentionSettings) -> jax.Array:
@@ -100,60 +101,97 @@ def platform_of(mesh) -> str:
   return jax.default_backend()
 
 
+def compute_capability() -> tuple[int, int] | None:
+  """The first device's CUDA compute capability (major, minor); None off NVIDIA GPUs."""
+  device = jax.devices()[0]
+  capability = (
+    getattr(device, "compute_capability", None) if kernel_capabilities.canonical(device.platform) == "gpu" else None
+  )
+  return None if capability is None else tuple(int(x) for x in str(capability).split(".")[:2])
+
+
+def unsupported_reason(name: str, platform: str, q_shape, dtype, window, cap, sinks=None, chunked=False) -> str | None:
+  """What kernel `name` (a row of the capability table) cannot do of this call, in a phrase; None when it can. The
+  features come before the platform. q_shape: [batch, length, heads, head_dim]; dtype: the inputs'; window: python
+  int or traced scalar; cap: the logit soft cap; sinks: [heads] or None; chunked: AttentionSettings.chunked."""
+  row = CAPABILITIES[name]
+  call = kernel_capabilities.Call(
+    length=q_shape[1],
+    head_dim=q_shape[3],
+    dtype=jnp.dtype(dtype).name,
+    cap=cap,
+    sinks=sinks is not None,
+    windowed=not is_static(window) or window > 0,
+    traced_window=not is_static(window),
+    chunked=chunked,
+    compute_capability=compute_capability() if row.max_head_dim_before else None,
+  )
+  reason = row.refusal(call)
+  if reason is None and not row.runs_on(platform):
+    reason = f"{row.title} runs on {row.where} only, not on {platform}"
+  return reason
+
+
+def _runs(name: str, config: Config, length: int, platform: str, q_shape, dtype, features: dict) -> bool:
+  """Whether kernel `name` runs this call: its row's refusal, its tiles on the platform and, for splash, whether
+  this jax's splash takes sinks. features: window, cap and sinks, as unsupported_reason takes them."""
+  if unsupported_reason(name, platform, q_shape, dtype, **features):
+    return False
+  tiles = CAPABILITIES[name].tiles.get(kernel_capabilities.canonical(platform))
+  try:
+    if tiles is not None:
+      tiles(config, length)
+  except ValueError:
+    return False
+  return not (name == "flash" and platform == "tpu" and features["sinks"] is not None and not splash_takes_sinks())
+
+
 def select(config: Config, length: int, platform: str, *, q_shape=None, dtype=None, window=0, cap=0.0, sinks=None) -> str:
   """The concrete kernel that config.attention means for a sequence length on a platform ("cpu", "gpu"/"cuda",
-  "tpu"). autoselected: TPU -> flash (splash) whenever the length fits its blocks (and, with sinks, this jax's
-  splash takes them), else dot_product; CPU and GPU -> dot_product below SHORT_SEQUENCE; GPU -> cudnn_flash_jax
-  when cuDNN supports the call (q_shape [batch, length, heads, head_dim], dtype, window, cap, sinks; unknown ones
-  are taken as supported), else flash (blockwise); CPU -> flash (blockwise). Any other value is returned as it is
+  "tpu"). autoselected: the first of kernel_capabilities.AUTOSELECT[platform] whose length bound holds and that runs
+  the call: TPU -> flash (splash) whenever the length fits its blocks (and, with sinks, this jax's splash takes
+  them), else dot_product; CPU and GPU -> dot_product below SHORT_SEQUENCE; GPU -> cudnn_flash_jax when cuDNN
+  supports the call (q_shape [batch, length, heads, head_dim], dtype, window, cap, sinks; unknown ones are taken
+  as supported), else flash (blockwise); CPU -> flash (blockwise). Any other value is returned as it is
   (ValueError if it is not in KERNELS). Chunks run on every kernel, so they do not enter the choice."""
   name = config.attention
   if name not in KERNELS:
     raise ConfigError(f"attention={name} is not one of {', '.join(KERNELS)}")
-  if name != "autoselected":
+  if name != kernel_capabilities.AUTOSELECTED:
     return name
-  if platform == "tpu":
-    try:
-      splash_blocks(config, length)
-    except ValueError:
-      return "dot_product"
-    return "dot_product" if sinks is not None and not splash_takes_sinks() else "flash"
-  if length < SHORT_SEQUENCE:
-    return "dot_product"
-  if platform in GPU_PLATFORMS:
-    shape = q_shape if q_shape is not None else (1, length, 1, 128)
-    reason = cudnn_unsupported_reason(config, shape, dtype if dtype is not None else jnp.bfloat16, window, cap, sinks)
-    return "flash" if reason else "cudnn_flash_jax"  # Blockwise where cuDNN cannot: memory stays linear.
-  return "flash"
+  shape = q_shape if q_shape is not None else (1, length, 1, 128)
+  dtype = dtype if dtype is not None else jnp.bfloat16
+  features = {"window": window, "cap": cap, "sinks": sinks}
+  choices = kernel_capabilities.AUTOSELECT[kernel_capabilities.canonical(platform)]
+  for kernel, bound in choices:
+    if (bound is None or length < bound) and _runs(kernel, config, length, platform, shape, dtype, features):
+      return kernel
+  return choices[-1][0]
 
 
-def _dot_product(q, k, v, segment_ids, positions, settings, mesh, name):
-  del mesh, name
+def _dot_product(q, k, v, segment_ids, positions, settings, mesh):
+  del mesh
   return dot_product_attention(q, k, v, segment_ids, positions, settings)
 
 
-def _flash(q, k, v, segment_ids, positions, settings, mesh, name):
-  del name
+def _flash(q, k, v, segment_ids, positions, settings, mesh):
   if platform_of(mesh) == "tpu":
     return splash_attention(q, k, v, segment_ids, positions, settings, mesh)
   return blockwise_attention(q, k, v, segment_ids, positions, settings)
 
 
-def _cudnn(q, k, v, segment_ids, positions, settings, mesh, name):
-  platform = platform_of(mesh)
-  reason = cudnn_unsupported_reason(settings.config, q.shape, q.dtype, settings.window, settings.cap, settings.sinks)
-  if reason is None and platform not in GPU_PLATFORMS:
-    reason = f"cuDNN fused attention runs on NVIDIA GPUs only, not on {platform}"
-  if reason:
-    raise ConfigError(f"attention={name}: {reason}; use attention=flash or attention=dot_product")
+def _cudnn(q, k, v, segment_ids, positions, settings, mesh):
+  del mesh
   return cudnn_attention(q, k, v, segment_ids, positions, settings)
 
 
+# The function that runs each kernel of the capability table, by the same names (kernel_capabilities_test checks).
 _DISPATCH = {"dot_product": _dot_product, "flash": _flash, "cudnn_flash_jax": _cudnn, "cudnn_flash_te": _cudnn}
 
 
 def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=None) -> jax.Array:
-  """Causal self-attention by the kernel settings.config.attention names, "autoselected" resolved by `select`.
+  """Causal self-attention by the kernel settings.config.attention names, "autoselected" resolved by `select`; a
+  kernel asked for what its row of the capability table says it cannot do raises ConfigError in one line.
 
   q: [batch, length, heads, head_dim], already scaled; k, v: [batch, length, kv_heads, head_dim];
   segment_ids, positions: [batch, length] int32 (segment 0 = padding; positions restart at 0 in each document);
@@ -161,14 +199,10 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=No
   runs (splash shards over it). Returns [batch, length, heads, head_dim] in v.dtype.
   """
   config = settings.config
-  name = select(
-    config,
-    q.shape[1],
-    platform_of(mesh),
-    q_shape=q.shape,
-    dtype=q.dtype,
-    window=settings.window,
-    cap=settings.cap,
-    sinks=settings.sinks,
-  )
-  return _DISPATCH[name](q, k, v, segment_ids, positions, settings, mesh, name)
+  platform = platform_of(mesh)
+  features = {"window": settings.window, "cap": settings.cap, "sinks": settings.sinks}
+  name = select(config, q.shape[1], platform, q_shape=q.shape, dtype=q.dtype, **features)
+  reason = unsupported_reason(name, platform, q.shape, q.dtype, **features, chunked=settings.chunked)
+  if reason:
+    raise CAPABILITIES[name].refused(reason)
+  return _DISPATCH[name](q, k, v, segment_ids, positions, settings, mesh)

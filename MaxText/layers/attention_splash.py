@@ -1,8 +1,9 @@
 """Splash attention: the `flash` kernel on TPU (Pallas, jax.experimental.pallas.ops.tpu.splash_attention).
 
 Pallas is imported only when a kernel is built (`splash_block_sizes`, `splash_attention`): checking a config's
-tiles (`splash_blocks`) and importing this module never load it. Splash masks by token index: a causal or a local
-(sliding-window) mask, with documents kept apart by segment ids. That equals the reference's masks by position
+tiles (`splash_blocks`: the `flash` row's tile check in kernel_capabilities, which the config checks read too) and
+importing this module never load it. Splash masks by token index: a causal or a local (sliding-window) mask, with
+documents kept apart by segment ids. That equals the reference's masks by position
 because positions are contiguous within a document (see attention_kernels).
 
 Chunked attention (Llama 4) goes through the segment ids, not splash's ChunkedCausalMask: that mask cuts chunks by
@@ -26,36 +27,9 @@ from jax.sharding import PartitionSpec
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
+from MaxText.kernel_capabilities import splash_blocks
 from MaxText.layers.attention_blockwise import blockwise_attention
 from MaxText.layers.attention_masks import AttentionSettings, chunk_segment_ids, is_static
-
-# Splash's blocks are tiled on 128 lanes: the length and every block size must be multiples of it.
-SPLASH_LANES = 128
-
-
-def splash_blocks(config: Config, length: int) -> dict[str, int]:
-  """Splash's tiles from the sa_block_* keys ({key: size}), each clipped to the length; ConfigError (a ValueError)
-  if the length does not fit them. Pallas-free, so that config validation does not load it."""
-  names = (
-    "sa_block_q",
-    "sa_block_kv",
-    "sa_block_kv_compute",
-    "sa_block_q_dkv",
-    "sa_block_kv_dkv",
-    "sa_block_kv_dkv_compute",
-  )
-  if not config.sa_use_fused_bwd_kernel:
-    names += ("sa_block_q_dq", "sa_block_kv_dq")
-  blocks = {name: min(getattr(config, name), length) for name in names}
-  problems = [f"length {length} is not a multiple of {SPLASH_LANES}"] if length % SPLASH_LANES else []
-  problems += [f"{name}={size} does not divide length {length}" for name, size in blocks.items() if length % size]
-  problems += [f"{name}={size} is not a multiple of {SPLASH_LANES}" for name, size in blocks.items() if size % SPLASH_LANES]
-  if problems:
-    raise ConfigError(
-      f"attention=flash (splash): {'; '.join(problems)}; set max_target_length or the sa_block_* keys to fit, "
-      f"or use attention=dot_product"
-    )
-  return blocks
 
 
 def splash_block_sizes(config: Config, length: int):

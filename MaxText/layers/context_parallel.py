@@ -14,6 +14,10 @@ device holding one piece of the queries, keys and values:
   backward sends the keys and values round again, their gradients travelling with them, and each step is
   FlashAttention-2's backward on that piece, given the merged output and log-sum-exp (which makes it exact).
 
+How each kernel runs split is its row of kernel_capabilities: dense (`dense_scores`, dot_product) or blockwise
+scores of the gathered keys; a kernel of whole sequences only (cuDNN) is refused, or replaced under `autoselected`
+by its row's `context_parallel_fallback`.
+
 Splash (TPU, or `AttentionSettings.interpret` on any platform) masks by each token's index in the whole sequence
 (`attention_splash.index_mask`). all_gather builds one kernel for every device's queries, in their order along the
 context axes, with `q_seq_shards=n`: shard_map hands each device its own queries' block tables, so blocks wholly in
@@ -51,6 +55,7 @@ from jax.sharding import Mesh, PartitionSpec
 from MaxText import common_types as ct
 from MaxText import sharding
 from MaxText.common_types import Config, ConfigError
+from MaxText.kernel_capabilities import AUTOSELECTED, CAPABILITIES
 from MaxText.layers import attention_kernels
 from MaxText.layers.attention_blockwise import (
   Forward,
@@ -75,8 +80,6 @@ from MaxText.layers.attention_splash import (
   splash_kernel,
   splash_takes_sinks,
 )
-
-STRATEGIES = ("all_gather", "ring")
 
 
 def length_axes(config: Config, mesh: Mesh | None = None) -> tuple[str, ...]:
@@ -205,12 +208,13 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, *, mesh
     cap=settings.cap,
     sinks=settings.sinks,
   )
-  if kernel.startswith("cudnn") and config.attention == "autoselected":
-    kernel = "flash"  # blockwise: cuDNN's kernel takes whole sequences
-  if kernel.startswith("cudnn"):
+  row = CAPABILITIES[kernel]
+  if row.whole_sequences and config.attention == AUTOSELECTED:
+    row = CAPABILITIES[row.context_parallel_fallback]  # e.g. cuDNN's kernel takes whole sequences: blockwise
+  if row.whole_sequences:
     raise ConfigError(
-      f"attention={config.attention} (cuDNN) does not run under context parallelism; use attention=flash "
-      "or dot_product, or set ici_context_parallelism and ici_sequence_parallelism to 1"
+      f"attention={config.attention} ({row.family}) does not run under context parallelism; use attention="
+      f"{' or '.join(row.instead)}, or set ici_context_parallelism and ici_sequence_parallelism to 1"
     )
   split = Split(length_axes(config, mesh), n, reorders(config, mesh, model_mode))
   _, t, h, _ = q.shape
@@ -229,7 +233,7 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, *, mesh
   data = {name: x for name, x in data.items() if x is not None}
   data_specs = {name: PartitionSpec(head_axes) if name == "sinks" else PartitionSpec() for name in data}
   plan = None
-  if kernel == "flash" and (platform == "tpu" or settings.interpret):
+  if not row.dense_scores and (platform == "tpu" or settings.interpret):
     shards = mesh_size(mesh, head_axes)
     plan = _splash_plan(settings, split, t // n, (h // shards, k.shape[2] // shards))
   if plan is not None and config.context_parallel_strategy == "all_gather":
@@ -244,7 +248,7 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, *, mesh
       window, chunk, sinks = (data.get(name) for name in ("window", "chunk", "sinks"))
       return _ring(q, k, v, (segment_ids, positions), (window, chunk), sinks, split, static)
     local = dataclasses.replace(static, **data)
-    return _all_gather_attention(q, k, v, segment_ids, positions, local, split, dense=kernel == "dot_product")
+    return _all_gather_attention(q, k, v, segment_ids, positions, local, split, dense=row.dense_scores)
 
   qkv_spec = PartitionSpec(batch_axes, split.axes, head_axes, None)
   ids_spec = PartitionSpec(batch_axes, split.axes)

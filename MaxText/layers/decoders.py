@@ -1,8 +1,7 @@
 """The decoder layer of each `decoder_block`, and how a model's layers split into stacks of one layer class.
 
-This is the layers' own registry: `decoder_block` -> its decoder layer class (layers/llama.py's interface). The
-family registry (MaxText/families/) fills it when it registers a family, so the layers never import the families,
-their config checks or their Hugging Face mappings; a Config comes from pyconfig, which has loaded the families.
+`layer(decoder_block)` is the family's layer class (layers/llama.py's interface): the family registry
+(MaxText/families/, below the layers: it imports neither jax nor flax) names it by its import path, imported here.
 
 A stack is scanned over one layer class, so layers whose parameters differ go to different stacks (DeepSeek's
 dense then MoE layers), or, where they alternate (Llama 4 Maverick's dense and MoE layers), into one stack of
@@ -18,21 +17,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from MaxText import common_types as ct
+from MaxText import families
 from MaxText.common_types import Config
-
-# decoder_block -> its decoder layer class (the layer of every layer, or of the layers after a dense stack).
-DECODER_LAYERS: dict[str, type[nn.Module]] = {}
 
 
 def layer(decoder_block: str) -> type[nn.Module]:
-  """The decoder layer class of a decoder_block."""
-  try:
-    return DECODER_LAYERS[decoder_block]
-  except KeyError:
-    raise KeyError(
-      f"decoder_block={decoder_block!r} has no registered decoder layer (registered: {sorted(DECODER_LAYERS)}); "
-      "families register theirs when MaxText.families is imported"
-    ) from None
+  """The decoder layer class of a decoder_block (the layer of every layer, or of the layers after a dense stack)."""
+  return families.get(decoder_block).layer_class
 
 
 @dataclasses.dataclass(frozen=True)

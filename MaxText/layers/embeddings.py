@@ -10,6 +10,7 @@ from flax import linen as nn
 from MaxText import common_types as ct
 from MaxText.common_types import Config
 from MaxText.layers.linears import PRECISIONS, dtypes
+from MaxText.sections import layers as section
 
 
 class Embed(nn.Module):
@@ -49,7 +50,7 @@ class Embed(nn.Module):
     )
 
 
-ROPE_TYPES = ("default", "llama3.1", "yarn")  # `rope_type`: RoFormer's frequencies, or scaled as Llama 3.1 or YaRN
+ROPE_TYPES = section.ROPE_TYPES  # `rope_type`: RoFormer's frequencies, or scaled as Llama 3.1 or YaRN
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -18,24 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.common_types import Config
+from MaxText.families.gemma3 import is_global, local_rope_theta
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import apply_rope, rope_frequencies
 from MaxText.layers.gemma2 import Gemma2DecoderLayer
 from MaxText.layers.normalizations import RMSNorm
-
-GLOBAL_EVERY = 6  # one global layer in six: transformers' sliding_window_pattern
-
-
-def is_global(layer_index) -> bool | jax.Array:
-  """Whether layer `layer_index` (an int, or traced inside a scan) attends globally: the last of every six."""
-  if isinstance(layer_index, int):
-    return (layer_index + 1) % GLOBAL_EVERY == 0
-  return (jnp.asarray(layer_index) + 1) % GLOBAL_EVERY == 0
-
-
-def local_rope_theta(config: Config) -> float:
-  """The local layers' RoPE theta: local_rope_max_timescale, or rope_max_timescale where it is -1."""
-  return config.rope_max_timescale if config.local_rope_max_timescale < 0 else config.local_rope_max_timescale
 
 
 def rope_frequencies_by_kind(config: Config) -> tuple[np.ndarray, np.ndarray]:

@@ -10,21 +10,20 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import common_types as ct
 from MaxText import lora, sharding
 from MaxText.common_types import Config
+from MaxText.sections import implement
+from MaxText.sections import layers as section
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
-ACTIVATIONS = {
-  "silu": nn.silu,
-  "gelu": nn.gelu,
-  "relu": nn.relu,
-  "tanh": jnp.tanh,
-  "sigmoid": nn.sigmoid,
-  "linear": lambda x: x,
-}
+# The names are the section's (sections/layers.py), which the config is checked against.
+DTYPES = {name: getattr(jnp, name) for name in section.DTYPES}
+PRECISIONS = {name: jax.lax.Precision[name.upper()] for name in section.PRECISIONS}
+ACTIVATIONS = implement(
+  section.ACTIVATIONS,
+  {"silu": nn.silu, "gelu": nn.gelu, "relu": nn.relu, "tanh": jnp.tanh, "sigmoid": nn.sigmoid, "linear": lambda x: x},
+)
 # gpt-oss's clamped SwiGLU (mlp_activations_limit > 0): its activations, and the gain of its sigmoid (OpenAI's
 # reference implementation, and MaxText's, fix it at 1.702: x * sigmoid(1.702 x) approximates GELU).
-CLAMPED_SWIGLU = ("sigmoid", "linear")
-SWIGLU_ALPHA = 1.702
+CLAMPED_SWIGLU = section.CLAMPED_SWIGLU
+SWIGLU_ALPHA = section.SWIGLU_ALPHA
 
 
 def dtypes(config: Config) -> tuple[jnp.dtype, jnp.dtype]:

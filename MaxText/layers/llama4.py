@@ -27,28 +27,12 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from MaxText.common_types import Config
+from MaxText.families.llama4 import is_nope_layer
 from MaxText.layers.attention_masks import AttentionSettings
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import apply_rope, rope_frequencies
 from MaxText.layers.llama import LlamaDecoderLayer, causal_pairs
 from MaxText.layers.moe import MoeBlock
-
-
-def is_nope_layer(config: Config, layer_index) -> bool | jax.Array:
-  """Whether layer `layer_index` (an int, or traced) has no RoPE: every nope_layer_interval-th layer, counting from 1
-  (transformers' no_rope_layers default). A python bool for an int index, or when no layer is one."""
-  interval = config.nope_layer_interval
-  if interval <= 0:
-    return False
-  if isinstance(layer_index, int):
-    return (layer_index + 1) % interval == 0
-  return (jnp.asarray(layer_index) + 1) % interval == 0
-
-
-def is_moe_layer(config: Config, layer_index: int) -> bool:
-  """Whether layer `layer_index` has the mixture of experts: every interleave_moe_layer_step-th, counting from 1
-  (transformers' moe_layers default, range(step - 1, layers, step))."""
-  return (layer_index + 1) % config.interleave_moe_layer_step == 0
 
 
 def l2_norm(x: jax.Array, eps: float) -> jax.Array:

@@ -11,6 +11,8 @@ from MaxText.layers import context_parallel, decoders, pipeline
 from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
+from MaxText.sections import implement
+from MaxText.sections import layers as section
 
 _policies = jax.checkpoint_policies
 _save_only = _policies.save_only_these_names
@@ -21,18 +23,21 @@ _QKV = ("query_proj", "key_proj", "value_proj")
 # dims; minimal_flash also the attention output (`context`); save_* keep the named projections; none does not
 # rematerialise at all. The *_offloaded policies keep what save_qkv_proj / minimal keep, in host memory
 # (OFFLOADED below) on TPU and GPU; on the CPU device memory is host memory, so they are those policies.
-REMAT_POLICIES = {
-  "full": _policies.nothing_saveable,
-  "minimal": _policies.checkpoint_dots_with_no_batch_dims,
-  "minimal_flash": _policies.save_from_both_policies(_policies.checkpoint_dots_with_no_batch_dims, _save_only("context")),
-  "save_qkv_proj": _save_only(*_QKV),
-  "save_dot_except_mlp": _save_only(*_QKV, "out_proj"),
-  "save_dot_except_mlpwi": _save_only(*_QKV, "out_proj", "mlpwo"),
-  "save_out_proj": _save_only("out_proj"),
-  "qkv_proj_offloaded": _save_only(*_QKV),
-  "minimal_offloaded": _policies.checkpoint_dots_with_no_batch_dims,
-  "none": None,
-}
+REMAT_POLICIES = implement(
+  section.REMAT_POLICIES,
+  {
+    "full": _policies.nothing_saveable,
+    "minimal": _policies.checkpoint_dots_with_no_batch_dims,
+    "minimal_flash": _policies.save_from_both_policies(_policies.checkpoint_dots_with_no_batch_dims, _save_only("context")),
+    "save_qkv_proj": _save_only(*_QKV),
+    "save_dot_except_mlp": _save_only(*_QKV, "out_proj"),
+    "save_dot_except_mlpwi": _save_only(*_QKV, "out_proj", "mlpwo"),
+    "save_out_proj": _save_only("out_proj"),
+    "qkv_proj_offloaded": _save_only(*_QKV),
+    "minimal_offloaded": _policies.checkpoint_dots_with_no_batch_dims,
+    "none": None,
+  },
+)
 OFFLOADED = {
   "qkv_proj_offloaded": _policies.save_and_offload_only_these_names(
     names_which_can_be_saved=[], names_which_can_be_offloaded=list(_QKV), offload_src="device", offload_dst="pinned_host"

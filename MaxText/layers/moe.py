@@ -39,10 +39,6 @@ from MaxText.common_types import Config
 from MaxText.layers.grouped_matmul import grouped_matmul
 from MaxText.layers.linears import DenseGeneral, MlpBlock, dtypes, gated_activation
 
-# routed_score_func: the router's scores, "" or "softmax" (a softmax over the experts) or "sigmoid" (each expert's
-# own sigmoid, DeepSeek-V3).
-SCORE_FUNCS = ("", "softmax", "sigmoid")
-
 
 def route(logits_TN: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Softmax top-k routing (Mixtral, Qwen3-MoE): (weights [T, k] float32, experts [T, k] int32, probs [T, N]).

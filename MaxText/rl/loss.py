@@ -13,6 +13,9 @@ accumulation is exact in every aggregation mode (a mean per micro-batch would we
 import jax
 import jax.numpy as jnp
 
+from MaxText.sections import implement
+from MaxText.sections.reinforcement import AGG_MODES, ALGOS  # loss_algo, loss_agg_mode: the names of the formulas below
+
 
 # ---------------------------------------------------------------------------------------------- importance ratios
 # Each takes lp, old [B, L] (zero off the mask) and |o_i| [B] and gives the ratio that is clipped, [B, L].
@@ -30,8 +33,7 @@ def _gspo_token_ratio(logps, old_logps, lengths):
   return jax.lax.stop_gradient(s_i)[:, None] * jnp.exp(logps - jax.lax.stop_gradient(logps))
 
 
-_RATIOS = {"grpo": _grpo_ratio, "gspo-token": _gspo_token_ratio}
-ALGOS = tuple(_RATIOS)
+_RATIOS = implement(ALGOS, {"grpo": _grpo_ratio, "gspo-token": _gspo_token_ratio})
 
 
 # ---------------------------------------------------------------------------------------------- aggregations
@@ -51,12 +53,14 @@ def _sequence_mean_token_mean(row_sums, lengths):
   return jnp.sum(row_sums / jnp.maximum(lengths, 1)), jnp.sum(lengths > 0)
 
 
-_AGGREGATIONS = {
-  "token-mean": _token_mean,
-  "sequence-mean": _sequence_mean,
-  "sequence-mean-token-mean": _sequence_mean_token_mean,
-}
-AGG_MODES = tuple(_AGGREGATIONS)
+_AGGREGATIONS = implement(
+  AGG_MODES,
+  {
+    "token-mean": _token_mean,
+    "sequence-mean": _sequence_mean,
+    "sequence-mean-token-mean": _sequence_mean_token_mean,
+  },
+)
 
 
 # ---------------------------------------------------------------------------------------------- the loss

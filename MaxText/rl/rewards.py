@@ -48,7 +48,6 @@ would parse with no bound at all.
 """
 
 import dataclasses
-import difflib
 import functools
 import importlib
 import inspect
@@ -64,6 +63,8 @@ from typing import Any
 import numpy as np
 
 from MaxText.common_types import ConfigError, cut, shown
+from MaxText.sections import implement
+from MaxText.sections.reinforcement import BUILTIN_REWARDS, REWARD_KEYS, TIMEOUT_S, check_rewards
 
 # Names the call convention takes for itself: a records' column of the same name is not passed.
 RESERVED = ("prompts", "completions")
@@ -71,21 +72,8 @@ RESERVED = ("prompts", "completions")
 MATH_TIMEOUT_S = 5
 # Added to a group's standard deviation, as Tunix and TRL: a group whose rewards are all equal gets advantages 0.
 ADVANTAGE_EPS = 1e-4
-# The config keys `check` reads.
-CONFIG_KEYS = (
-  "num_generations",
-  "reward_functions",
-  "reward_weights",
-  "reward_format_regex",
-  "reward_timeout_seconds",
-)
-# The longest a user's reward call (or its module's import) may take, for a Reward made by hand: base.yml's
-# reward_timeout_seconds.
-TIMEOUT_S = 600.0
 # Longest text an error quotes from what a reward function raised or returned.
 QUOTED_CHARS = 200
-# "module:function": dotted Python names on both sides.
-_QUALIFIED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 class RewardError(ConfigError):
@@ -180,11 +168,9 @@ def _math(config) -> Callable:
 
 
 # Built-in name -> a factory from the config to the reward function.
-BUILTINS: dict[str, Callable[[Any], Callable]] = {
-  "exact_match": lambda config: exact_match,
-  "format": _format,
-  "math": _math,
-}
+BUILTINS: dict[str, Callable[[Any], Callable]] = implement(
+  BUILTIN_REWARDS, {"exact_match": lambda config: exact_match, "format": _format, "math": _math}
+)
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -192,74 +178,10 @@ def _one_line(error: BaseException) -> str:
   return " ".join(str(error).split())
 
 
-def check(values: Mapping, needed_by: str | None) -> None:
-  """pyconfig's checks of the reward keys from the raw config values (nothing imported): the names, the weights,
-  the format reward's regular expression, and, when a run trains with them (`needed_by`: how its config asks for RL,
-  e.g. "objective=rl"; None: rewards unused), that there is a reward and groups to normalise it in."""
-  names, weights = list(values["reward_functions"]), list(values["reward_weights"])
-  if needed_by and not names:
-    raise ConfigError(
-      f"{needed_by} with reward_functions=[]: RL needs a reward; set e.g. reward_functions='[\"math\"]' (built-ins: "
-      f"{', '.join(BUILTINS)}) or '[\"my_module:my_reward\"]'"
-    )
-  if needed_by and values["num_generations"] < 2:
-    raise ConfigError(
-      f"num_generations={values['num_generations']}: GRPO's advantage compares each completion with the others of "
-      "its prompt's group; set num_generations >= 2"
-    )
-  for name in names:
-    _check_name(name)
-  repeated = sorted({name for name in names if names.count(name) > 1})
-  if repeated:
-    raise ConfigError(
-      f"reward_functions={shown(names)} lists {shown(repeated[0])} twice; list each once and weigh it by reward_weights"
-    )
-  if weights and len(weights) != len(names):
-    raise ConfigError(
-      f"reward_weights={shown(weights)} has {len(weights)} weights for {len(names)} reward_functions; give one per "
-      "function, or [] to weigh each 1"
-    )
-  for weight in weights:
-    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
-      raise ConfigError(f"reward_weights={shown(weights)}: {shown(weight)} is not a finite number; give numbers")
-  limit = values["reward_timeout_seconds"]
-  if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not (math.isfinite(limit) and limit > 0):
-    raise ConfigError(
-      f"reward_timeout_seconds={shown(limit)}: the longest a reward call or a reward module's import may take must "
-      f"be a number of seconds > 0; give e.g. reward_timeout_seconds={TIMEOUT_S:g}"
-    )
-  if "format" in names:
-    _check_format_regex(values["reward_format_regex"])
-
-
-def _check_name(name: Any) -> None:
-  if not isinstance(name, str) or (name not in BUILTINS and not _QUALIFIED.fullmatch(name)):
-    close = difflib.get_close_matches(str(name), list(BUILTINS), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ConfigError(
-      f"reward_functions has {shown(name)}: neither a built-in ({', '.join(BUILTINS)}) nor 'module:function'; {hint}"
-      "give a built-in or e.g. 'my_rewards:correct' (a module on PYTHONPATH, a function in it)"
-    )
-
-
-def _check_format_regex(regex: str) -> None:
-  if not regex:
-    raise ConfigError(
-      "reward_format_regex='': reward_functions has 'format'; set reward_format_regex to what a well-formed completion "
-      "matches in full, e.g. reward_format_regex='<think>.*</think>\\s*<answer>.*</answer>'"
-    )
-  try:
-    re.compile(regex, re.DOTALL)
-  except re.error as e:
-    raise ConfigError(
-      f"reward_format_regex={shown(regex)} does not compile (re.error: {e}); fix the regular expression"
-    ) from None
-
-
 def load(config) -> list[Reward]:
   """The configured rewards, imported and weighed; one-line ConfigError for a module that does not import (or takes
   longer than reward_timeout_seconds to), a name it lacks, a non-callable, or the math reward without math-verify."""
-  check({key: getattr(config, key) for key in CONFIG_KEYS}, None)  # (a run's need of them: pyconfig's check)
+  check_rewards({key: getattr(config, key) for key in REWARD_KEYS}, None)  # (a run's need of them: pyconfig's check)
   names = list(config.reward_functions)
   weights = list(config.reward_weights) or [1.0] * len(names)
   limit = float(config.reward_timeout_seconds)

@@ -14,7 +14,7 @@ import pytest
 from flax import linen as nn
 
 from MaxText import convert_hf_checkpoint, convert_to_hf_checkpoint, train
-from MaxText.layers import models
+from MaxText.layers import decoders, models
 from MaxText.tests.helpers import BASE_YML, config
 
 TRAIN = ("steps=3", "learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=4", "dataset_type=synthetic")
@@ -279,7 +279,7 @@ def test_a_peft_adapter_folder_gets_the_mode_open_gives(tmp_path):
   previous = os.umask(0o027)
   try:
     count = peft.write_adapter(
-      str(tmp_path), cfg, families.hf_mapping(cfg), adapters, lambda p, i: families.param_path(cfg, p, i)
+      str(tmp_path), cfg, families.hf_mapping(cfg), adapters, lambda p, i: decoders.param_path(cfg, p, i)
     )
   finally:
     os.umask(previous)

@@ -63,9 +63,31 @@ def _family_modules() -> list[str]:
 
 def test_the_registry_is_the_family_modules():
   """Every module of MaxText/families/ is a registered family of its name, and nothing else is registered; the
-  layers' own registry has each one's layer."""
+  layers find each one's layer class through it."""
   assert list(families.FAMILIES) == _family_modules()
-  assert decoders.DECODER_LAYERS == {name: family.layer for name, family in families.FAMILIES.items()}
+  for name, family in families.FAMILIES.items():
+    assert decoders.layer(name) is family.layer_class and issubclass(family.layer_class, LlamaDecoderLayer)
+
+
+@pytest.mark.parametrize("name", sorted(families.FAMILIES))
+def test_a_familys_traits_are_its_layers(name):
+  """The traits pyconfig checks without importing the layers are those of the layer class the family names."""
+  family = families.get(name)
+  layer = family.layer_class
+  traits = ("attention_type", "moe", "clamped_swiglu", "router_logit_bias", "attention_sinks")
+  assert {t: getattr(family, t) for t in traits} == {t: getattr(layer, t) for t in traits}
+  assert family.dense_layers == (layer.dense_layer is not None)
+
+
+def test_the_registry_imports_neither_jax_nor_flax():
+  """The families are below the layers: listing them, and every family module, imports neither (pyconfig reads them)."""
+  import subprocess
+  import sys
+
+  code = "import sys, MaxText.families; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_registering_a_family_is_undone_by_unregistering_it(toy):
@@ -73,7 +95,9 @@ def test_registering_a_family_is_undone_by_unregistering_it(toy):
   with pytest.raises(ValueError, match="a family named 'toy' is registered already"):
     families.register(toy)
   families.unregister("toy")
-  assert "toy" not in families.FAMILIES and "toy" not in decoders.DECODER_LAYERS
+  assert "toy" not in families.FAMILIES
+  with pytest.raises(ConfigError, match="decoder_block='toy' is not supported"):
+    decoders.layer("toy")
   families.register(toy)  # for the fixture to remove
 
 

@@ -187,7 +187,7 @@ def test_the_pipelined_layers_hold_every_kind_of_layer(name, tmp_path):
   if (name, "pipeline") in INSTEAD:
     model = (*model, *INSTEAD[(name, "pipeline")])
   cfg = config(*model, *PIPELINE, "per_device_batch_size=1", num_devices=DEVICES)
-  layer = families.FAMILIES[name].layer
+  layer = families.FAMILIES[name].layer_class
   first = cfg.num_decoder_layers - cfg.pipeline_parallel_layers
   pipelined = {layer.attention_pairs(cfg, i, LENGTH) for i in range(first, cfg.num_decoder_layers)}
   assert pipelined == {layer.attention_pairs(cfg, i, LENGTH) for i in range(first, first + KIND_PERIOD)}

@@ -115,21 +115,44 @@ def test_layers_and_config_come_before_state_checkpointing_and_scripts():
   assert not _reachable(graph, "MaxText.common_types")
 
 
-def test_layers_know_nothing_of_families_or_conversion():
-  """Layers -> families -> convert is one way: no layer module reaches the family registry, a family module or the
-  Hugging Face conversion code (the families give their layers to layers/decoders.py instead), and the family
-  modules, which the registry imports by listing its folder (invisible to this graph), stay below pyconfig too."""
+def test_the_families_sit_below_the_layers():
+  """Families -> layers is one way: the family registry and its modules (which the registry imports by listing its
+  folder, invisible to this graph) reach no layer, naming their layer classes by import path instead; the layers
+  reach the families' registry (layers/decoders.py finds a layer class through it) and, of the conversion code, only
+  the mapping types the families declare (convert/hf_families.py); and the families stay below pyconfig."""
   graph = _graph()
-  layers = [name for name in graph if name == "MaxText.layers" or name.startswith("MaxText.layers.")]
-  assert "MaxText.layers.models" in layers and "MaxText.layers.decoders" in layers
-  for layer in layers:
-    reached = {n for n in _reachable(graph, layer) if n.startswith(("MaxText.families", "MaxText.convert"))}
-    assert not reached, f"{layer} reaches {sorted(reached)}"
-  family_modules = [name for name in graph if name.startswith("MaxText.families.")]
+  family_modules = [name for name in graph if name == "MaxText.families" or name.startswith("MaxText.families.")]
   assert "MaxText.families.llama2" in family_modules
   above = {"MaxText.pyconfig", "MaxText.state", "MaxText.checkpointing", "MaxText.cli", *_entry_points(_modules())}
   for module in family_modules:
-    assert not _reachable(graph, module) & above, f"{module} reaches {_reachable(graph, module) & above}"
+    reached = _reachable(graph, module)
+    layers = sorted(n for n in reached if n == "MaxText.layers" or n.startswith("MaxText.layers."))
+    assert not layers, f"{module} reaches {layers}"
+    assert not reached & above, f"{module} reaches {reached & above}"
+  layers = [name for name in graph if name == "MaxText.layers" or name.startswith("MaxText.layers.")]
+  assert "MaxText.layers.models" in layers and "MaxText.layers.decoders" in layers
+  for layer in layers:
+    mapping = {"MaxText.convert", "MaxText.convert.hf_families"}  # (importing a module imports its package)
+    converts = {n for n in _reachable(graph, layer) if n.startswith("MaxText.convert")} - mapping
+    assert not converts, f"{layer} reaches {sorted(converts)}"
+
+
+def test_the_config_layer_imports_no_implementation():
+  """Reading a config needs neither jax nor flax (pyconfig_test reads every preset in a fresh interpreter to check):
+  the config layer reaches the components' jax-free sections, the family registry, the kernels' capability table and
+  the objectives' registry, never the layers (kernels included), the inference engine, the server, RL, or an
+  objective's implementation."""
+  graph = _graph()
+  config_layer = ["MaxText.pyconfig", "MaxText.config_parse", "MaxText.config_validate", "MaxText.config_derive"]
+  forbidden = ("MaxText.layers", "MaxText.inference", "MaxText.server", "MaxText.rl", "MaxText.objectives.")
+  for module in config_layer:
+    reached = sorted(n for n in _reachable(graph, module) if n.startswith(forbidden))
+    assert not reached, f"{module} reaches {reached}"
+  sections = [name for name in graph if name.startswith("MaxText.sections")]
+  assert "MaxText.sections.optimizer" in sections
+  for module in [*sections, "MaxText.kernel_capabilities", "MaxText.objectives"]:
+    reached = sorted(n for n in _reachable(graph, module) if n.startswith(forbidden))
+    assert not reached, f"{module} reaches {reached}"
 
 
 def test_the_order_the_architecture_page_gives():

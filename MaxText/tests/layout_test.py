@@ -39,6 +39,9 @@ TESTED_IN = {
   "MaxText.generate_hf_golden_logits": ("logit_checker_test.py",),
   "MaxText.generate_param_only_checkpoint": ("inference_test.py", "deepseek_test.py"),
   "MaxText.inference.pages": ("engine_test.py",),
+  "MaxText.inference.model_runner": ("engine_test.py",),
+  "MaxText.inference.request": ("output_test.py", "scheduler_test.py", "server_bridge_test.py"),
+  "MaxText.inference.slots": ("engine_test.py",),
   "MaxText.inference.prompts": ("inference_test.py", "serve_test.py", "sft_test.py"),
   "MaxText.inference.sampling": ("inference_test.py", "engine_test.py"),
   "MaxText.inference_microbenchmark": ("inference_test.py",),
@@ -56,6 +59,20 @@ TESTED_IN = {
   "MaxText.layers.quantizations": ("quantization_test.py", "quantized_inference_test.py"),
   "MaxText.rl.rollouts": ("rl_test.py",),
   "MaxText.script_path": ("cli_test.py",),
+  "MaxText.sections.adapters": ("sections_test.py",),
+  "MaxText.sections.context_parallelism": ("sections_test.py",),
+  "MaxText.sections.data": ("sections_test.py",),
+  "MaxText.sections.decoding": ("sections_test.py",),
+  "MaxText.sections.layers": ("sections_test.py",),
+  "MaxText.sections.optimizer": ("sections_test.py",),
+  "MaxText.sections.preference": ("sections_test.py",),
+  "MaxText.sections.profiler": ("sections_test.py",),
+  "MaxText.sections.quantize": ("sections_test.py",),
+  "MaxText.sections.reinforcement": ("sections_test.py",),
+  "MaxText.sections.router": ("sections_test.py",),
+  "MaxText.server.app": ("serve_test.py",),
+  "MaxText.server.options": ("serve_test.py",),
+  "MaxText.server.run": ("serve_test.py",),
   "MaxText.standalone_dataloader": ("cli_test.py",),
   "MaxText.objectives.base": ("objectives_test.py",),
   "MaxText.objectives.lm": ("objectives_test.py", "model_test.py", "input_pipeline_test.py"),
@@ -81,6 +98,11 @@ THROUGH = {
   "MaxText.convert.spm_tokenizer": ("MaxText.convert_to_hf_checkpoint", ("hf_checkpoint_test.py", "convert_test.py")),
   "MaxText.layers.attention_blockwise": ("MaxText.layers.attention_kernels", ("attention_kernels_test.py",)),
   "MaxText.layers.attention_cudnn": ("MaxText.layers.attention_kernels", ("attention_kernels_test.py",)),
+  "MaxText.server.chat": ("MaxText.server.app", ("serve_test.py",)),
+  "MaxText.server.completions": ("MaxText.server.app", ("serve_test.py",)),
+  "MaxText.server.info": ("MaxText.server.app", ("serve_test.py",)),
+  "MaxText.server.protocol": ("MaxText.server.app", ("serve_test.py",)),
+  "MaxText.server.service": ("MaxText.server.app", ("serve_test.py",)),
 }
 
 
@@ -128,7 +150,7 @@ def family_modules() -> dict[str, str]:
   found = {}
   for name, family in families.FAMILIES.items():
     found[f"MaxText.families.{name}"] = name
-    for layer in (family.layer, family.dense_layer):
+    for layer in (family.layer_class, family.layer_class.dense_layer):
       if layer is not None:
         found.setdefault(layer.__module__, name)
   return found

@@ -14,7 +14,7 @@ from flax import linen as nn
 
 from MaxText import convert_hf_checkpoint, families, metrics
 from MaxText.common_types import ConfigError
-from MaxText.layers import embeddings, models
+from MaxText.layers import decoders, embeddings, models
 from MaxText.layers.attention_masks import Tokens
 from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import BASE_YML, abstract_params, config, train_batch
@@ -176,7 +176,7 @@ def test_interleaved_layers_scanned_by_periods_equal_unrolled():
   np.testing.assert_allclose(loss_u, loss, rtol=1e-6)
   for i in range(cfg.num_decoder_layers):
     path = "self_attention.query.kernel"
-    (scanned_at, j), (unrolled_at, none) = (families.param_path(c, path, i) for c in (cfg, unrolled_cfg))
+    (scanned_at, j), (unrolled_at, none) = (decoders.param_path(c, path, i) for c in (cfg, unrolled_cfg))
     assert (
       none is None
       and scanned_at == f"layers.layer_{i % 2}.{path}"

@@ -13,7 +13,7 @@ from MaxText import lora, optimizers
 from MaxText import state as state_lib
 from MaxText import step as step_lib
 from MaxText.common_types import ConfigError
-from MaxText.layers import models
+from MaxText.layers import decoders, models
 from MaxText.objectives import lm as lm_lib
 from MaxText.tests.helpers import config, train_batch
 
@@ -242,7 +242,7 @@ def test_peft_adapter_round_trip_through_transformers(family, scan, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(start.state.params), jax.device_get(params))
 
   abstract = lora.partition(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))[0]
-  where = lambda p, i: families.param_path(cfg, p, i)  # noqa: E731
+  where = lambda p, i: decoders.param_path(cfg, p, i)  # noqa: E731
   read = peft.read_adapter(str(tmp_path / "adapter"), cfg, families.hf_mapping(cfg), abstract, where)
   jax.tree.map(np.testing.assert_array_equal, read, jax.tree.map(np.asarray, lora.partition(params)[0]))
   with pytest.raises(ConfigError, match="has r=4 but lora_rank=8; set lora_rank=4"):

@@ -44,7 +44,7 @@ def _runs_the_tiny_mixtral_config(name: str) -> bool:
 ONE_STACK_MOE = sorted(
   name
   for name, family in families.FAMILIES.items()
-  if family.moe and family.dense_layer is None and _runs_the_tiny_mixtral_config(name)
+  if family.moe and not family.dense_layers and _runs_the_tiny_mixtral_config(name)
 )
 
 

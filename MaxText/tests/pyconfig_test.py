@@ -461,3 +461,28 @@ def test_reading_alone_needs_no_jax():
     [sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, capture_output=True, text=True, check=False
   )
   assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_config_is_read_and_validated_with_neither_jax_nor_flax():
+  """The config layer sits at the bottom: parsing, validating and deriving every model preset's config, and the
+  post-training configs', imports neither jax nor flax, nor the layers, the inference engine or RL (each component's
+  rules come from its jax-free section, its family's or its kernel's row)."""
+  script = f"""
+    import os, sys
+    from MaxText import pyconfig
+
+    models = sorted(f[:-4] for f in os.listdir({pyconfig.MODELS_DIR!r}) if f.endswith(".yml"))
+    for name in models:
+      pyconfig.load([{BASE_YML!r}, "run_name=r", f"model_name={{name}}"], num_devices=1, env={{}})
+    for extra in (["objective=dpo", "dataset_type=hf"], ["use_sft=true", "dataset_type=hf"], ["lora_rank=4"]):
+      pyconfig.load([{BASE_YML!r}, "run_name=r", *extra], num_devices=1, env={{}})
+    loaded = {{"jax", "flax", "optax"}} & set(sys.modules)
+    loaded |= {{m for m in sys.modules if m.startswith(("MaxText.layers", "MaxText.inference", "MaxText.rl"))}}
+    assert not loaded, sorted(loaded)
+    print(len(models))
+    """
+  run = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert int(run.stdout) > 10  # every preset was read

@@ -15,6 +15,7 @@ import pytest
 from MaxText import cli
 from MaxText.common_types import Config, ConfigError
 from MaxText.rl import rewards
+from MaxText.sections.reinforcement import check_rewards
 from MaxText.tests.helpers import deadline, run
 
 HERE = "MaxText.tests.rl_rewards_test"
@@ -235,16 +236,16 @@ def test_a_module_that_raises_on_import_is_named_with_its_error(tmp_path, monkey
 )
 def test_check_refuses_in_one_line_naming_the_key(changes, fragments):
   values = {**_config().as_dict(), **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}}
-  message = _one_line_error(ConfigError, rewards.check, values, "use_rl=true")
+  message = _one_line_error(ConfigError, check_rewards, values, "use_rl=true")
   for fragment in fragments:
     assert fragment in message, message
 
 
 def test_check_accepts_a_valid_config_and_rewards_off():
-  rewards.check(
+  check_rewards(
     {**_config().as_dict(), "reward_functions": ["exact_match", "a.b:c.d"], "reward_weights": [1, 0.5]}, "use_rl=true"
   )
-  rewards.check({**_config().as_dict(), "reward_functions": [], "num_generations": 1}, None)
+  check_rewards({**_config().as_dict(), "reward_functions": [], "num_generations": 1}, None)
 
 
 # ------------------------------------------------------------------------------------------ score errors
