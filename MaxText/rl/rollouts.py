@@ -28,12 +28,12 @@ import numpy as np
 
 from MaxText import chat_template as template_lib
 from MaxText import input_pipeline, sharding
+from MaxText import state as state_lib
 from MaxText.common_types import Config, ConfigError, shown
 from MaxText.inference import engine as engine_lib
 from MaxText.inference import prompts as prompts_lib
 from MaxText.inference.sampling import Sampling
 from MaxText.input_pipeline import tokenizer as tokenizer_lib
-from MaxText.layers import pipeline
 from MaxText.rl import rewards as rewards_lib
 
 PROMPT_COLUMNS = ("prompt", "question", "messages")
@@ -241,15 +241,16 @@ class Rollouts:
   def _decoding(self, params):
     """The parameters as the engine reads them: the training arrays themselves, or on the devices cast to the dtype
     decoding keeps (engine.params_dtype) and, from a circular pipeline's stage-major train state, in the natural
-    layer order (layers/pipeline.py), in the same shardings."""
+    layer order (state.LayerOrder), in the same shardings."""
     dtype = engine_lib.params_dtype(self.config, self.mesh)
     cast = any(x.dtype != dtype and jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(params))
-    if not cast and not pipeline.stores_stage_major(self.config):
+    order = state_lib.LayerOrder(self.config)
+    if not cast and not order.permuted:
       return params
     if self._cast is None:  # compiled once: the parameters keep their shapes and layout from step to step
 
       def decoding(p):
-        p = pipeline.to_natural(self.config, p)
+        p = order.view(p)
         return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
 
       self._cast = jax.jit(decoding, out_shardings=jax.tree_util.tree_map(lambda x: x.sharding, params))
