@@ -90,9 +90,10 @@ class Call:
 class KernelCapabilities:
   """One attention kernel's capabilities (a row of CAPABILITIES).
 
-  name: the value of the `attention` key; title: what the kernel is, in errors ("cuDNN fused attention"); family:
-  its short name in errors ("cuDNN"); platforms: where it runs (PLATFORMS), and `where` says so in words for errors;
-  instead: the kernels to use where it cannot run a config, best first.
+  name: the value of the `attention` key; runs: the function that runs it, by its import path "module:function",
+  called as f(q, k, v, segment_ids, positions, settings, mesh); title: what the kernel is, in errors ("cuDNN fused
+  attention"); family: its short name in errors ("cuDNN"); platforms: where it runs (PLATFORMS), and `where` says so
+  in words for errors; instead: the kernels to use where it cannot run a config, best first.
   whole_sequences: it takes whole sequences only, so it does not run under context parallelism, where `autoselected`
   runs `context_parallel_fallback` instead (an explicit choice is refused). A kernel that runs split is run by
   context parallelism on its all-gathered keys and values, dense or blockwise as `dense_scores` says.
@@ -106,6 +107,7 @@ class KernelCapabilities:
   """
 
   name: str
+  runs: str
   title: str
   family: str
   platforms: tuple[str, ...] = PLATFORMS
@@ -171,6 +173,7 @@ class KernelCapabilities:
 
 _CUDNN = KernelCapabilities(
   name="cudnn_flash_jax",
+  runs="MaxText.layers.attention_kernels:run_cudnn",
   title="cuDNN fused attention",
   family="cuDNN",
   platforms=("gpu",),
@@ -194,10 +197,16 @@ CAPABILITIES: Mapping[str, KernelCapabilities] = MappingProxyType(
     row.name: row
     for row in (
       KernelCapabilities(
-        name="dot_product", title="XLA dot-product attention", family="XLA", instead=("flash",), dense_scores=True
+        name="dot_product",
+        runs="MaxText.layers.attention_kernels:run_dot_product",
+        title="XLA dot-product attention",
+        family="XLA",
+        instead=("flash",),
+        dense_scores=True,
       ),
       KernelCapabilities(
         name="flash",
+        runs="MaxText.layers.attention_kernels:run_flash",
         title="flash attention",
         family="splash on TPU, blockwise elsewhere",
         instead=("dot_product",),

@@ -20,17 +20,7 @@ from MaxText.layers.linears import DTYPES
 from MaxText.sections import implement
 from MaxText.sections import optimizer as section
 
-# The keys that set every step's learning rate (learning_rate_schedule's; its warmup_steps is warmup_steps_fraction
-# of learning_rate_schedule_steps, which is `steps` unless given).
-SCHEDULE_KEYS = (
-  "learning_rate",
-  "learning_rate_schedule_steps",
-  "warmup_steps_fraction",
-  "learning_rate_final_fraction",
-  "lr_schedule_type",
-  "wsd_decay_steps_fraction",
-  "wsd_decay_style",
-)
+SCHEDULE_KEYS = section.SCHEDULE_KEYS  # the keys that set every step's learning rate
 
 # Parameters that AdamW does not decay: DeepSeek-V3's routing bias (layers/moe.py) steers the choice of experts
 # only, so its gradient is zero; decay would pull a loaded bias to 0.

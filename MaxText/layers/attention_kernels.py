@@ -18,7 +18,7 @@ They differ in where they run and in memory:
 
 What each kernel can do (platforms, context parallelism, sinks, soft cap, traced windows, chunks, dtypes, head
 widths, tiles, memory) is its row of kernel_capabilities.CAPABILITIES, which `select`, `attend`, the config checks
-and context parallelism read; this module's `_DISPATCH` maps the same names to the functions that run them.
+and context parallelism read; each row names the function that runs its kernel (`runner` imports it).
 Every kernel supports chunks (python or traced), and all but cuDNN sinks (with their gradient). Every kernel takes q,
 k, v, the segment ids (and positions) it masks by, and one `AttentionSettings` (window, chunk, sinks, soft cap,
 precision, tiles, config). Importing this module does not load Pallas: splash imports it when it builds a kernel.
@@ -30,6 +30,9 @@ equal. Chunks rest on the same fact: splash and cuDNN give each run of tokens in
 own segment id, and blockwise skips blocks `chunk` or more tokens back. Rows of padding (segment 0), whose
 positions may not be contiguous, may differ; they never reach other rows or the loss.
 """
+
+import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -169,24 +172,27 @@ def select(config: Config, length: int, platform: str, *, q_shape=None, dtype=No
   return choices[-1][0]
 
 
-def _dot_product(q, k, v, segment_ids, positions, settings, mesh):
+def run_dot_product(q, k, v, segment_ids, positions, settings, mesh):
   del mesh
   return dot_product_attention(q, k, v, segment_ids, positions, settings)
 
 
-def _flash(q, k, v, segment_ids, positions, settings, mesh):
+def run_flash(q, k, v, segment_ids, positions, settings, mesh):
   if platform_of(mesh) == "tpu":
     return splash_attention(q, k, v, segment_ids, positions, settings, mesh)
   return blockwise_attention(q, k, v, segment_ids, positions, settings)
 
 
-def _cudnn(q, k, v, segment_ids, positions, settings, mesh):
+def run_cudnn(q, k, v, segment_ids, positions, settings, mesh):
   del mesh
   return cudnn_attention(q, k, v, segment_ids, positions, settings)
 
 
-# The function that runs each kernel of the capability table, by the same names (kernel_capabilities_test checks).
-_DISPATCH = {"dot_product": _dot_product, "flash": _flash, "cudnn_flash_jax": _cudnn, "cudnn_flash_te": _cudnn}
+@functools.cache
+def runner(name: str):
+  """The function that runs kernel `name`: its capability row's `runs`, "module:function", imported on first use."""
+  module, function = CAPABILITIES[name].runs.split(":")
+  return getattr(importlib.import_module(module), function)
 
 
 def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=None) -> jax.Array:
@@ -205,4 +211,4 @@ def attend(q, k, v, segment_ids, positions, settings: AttentionSettings, mesh=No
   reason = unsupported_reason(name, platform, q.shape, q.dtype, **features, chunked=settings.chunked)
   if reason:
     raise CAPABILITIES[name].refused(reason)
-  return _DISPATCH[name](q, k, v, segment_ids, positions, settings, mesh)
+  return runner(name)(q, k, v, segment_ids, positions, settings, mesh)

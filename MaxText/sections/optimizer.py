@@ -66,6 +66,18 @@ def check(values: Mapping) -> None:
   check_optimizer(values)
 
 
+# The keys that set every step's learning rate (optimizers.learning_rate_schedule's; its warmup_steps is
+# warmup_steps_fraction of learning_rate_schedule_steps, which is `steps` unless given).
+SCHEDULE_KEYS = (
+  "learning_rate",
+  "learning_rate_schedule_steps",
+  "warmup_steps_fraction",
+  "learning_rate_final_fraction",
+  "lr_schedule_type",
+  "wsd_decay_steps_fraction",
+  "wsd_decay_style",
+)
+
 SECTION = Section(
   name="optimizer",
   keys=(
@@ -82,13 +94,7 @@ SECTION = Section(
     "gradient_clipping_threshold",
     "gradient_accumulation_steps",
     "steps",
-    "learning_rate",
-    "learning_rate_schedule_steps",
-    "warmup_steps_fraction",
-    "learning_rate_final_fraction",
-    "lr_schedule_type",
-    "wsd_decay_steps_fraction",
-    "wsd_decay_style",
+    *SCHEDULE_KEYS,
   ),
   choices={
     "opt_type": OPTIMIZERS,

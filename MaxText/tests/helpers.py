@@ -230,3 +230,20 @@ def fuzz_part(cases: list, part: str) -> list:
   """The cases of FUZZ_PARTS' `part`, each with its index in `cases`: [(i, case), ...]."""
   sampled = part == "sample"
   return [(i, case) for i, case in enumerate(cases) if (i % SAMPLE_EVERY == 0) == sampled]
+
+
+def source_lines_matching(pattern: str, allowed: tuple[str, ...] = ()) -> list[str]:
+  """ "path:line" of every line of MaxText/'s modules (the tests aside) that the regular expression `pattern` finds,
+  except in the files whose repository paths start with one of `allowed`."""
+  import re
+
+  found = re.compile(pattern)
+  lines = []
+  for folder, dirs, files in os.walk(os.path.join(REPO_ROOT, "MaxText")):
+    dirs[:] = sorted(d for d in dirs if d not in ("tests", "__pycache__"))
+    for name in sorted(files):
+      path = os.path.relpath(os.path.join(folder, name), REPO_ROOT)
+      if name.endswith(".py") and not path.startswith(allowed):
+        with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
+          lines += [f"{path}:{i}" for i, line in enumerate(f, 1) if found.search(line)]
+  return lines

@@ -37,8 +37,13 @@ FWD_ATOL = 2e-6
 # ------------------------------------------------------------------------------------------------- the table
 
 
-def test_the_table_and_the_dispatch_name_the_same_kernels():
-  assert set(ak._DISPATCH) == set(CAPABILITIES)
+def test_every_row_names_the_function_that_runs_its_kernel():
+  """A kernel is its module and its row: the row's `runs` is the function attend calls, with the kernels' signature."""
+  import inspect
+
+  for name in CAPABILITIES:
+    params = list(inspect.signature(ak.runner(name)).parameters)
+    assert params == ["q", "k", "v", "segment_ids", "positions", "settings", "mesh"], (name, params)
   assert CHOICES == (AUTOSELECTED, *CAPABILITIES) == ak.KERNELS
   assert tuple(config_validate.choices()["attention"]) == CHOICES
   assert all(name == row.name for name, row in CAPABILITIES.items())
@@ -218,7 +223,14 @@ def test_the_memory_hint_follows_dense_scores():
 def test_refusals_name_the_first_missing_capability():
   """A row's refusal is read from its fields, in a fixed order; a row that takes everything refuses nothing."""
   strict = kernel_capabilities.KernelCapabilities(
-    name="strict", title="Strict", family="S", sinks=False, soft_cap=False, dtypes=("bfloat16",), head_dim_multiple=8
+    name="strict",
+    runs="",
+    title="Strict",
+    family="S",
+    sinks=False,
+    soft_cap=False,
+    dtypes=("bfloat16",),
+    head_dim_multiple=8,
   )
   assert strict.refusal(Call(64, 64, "bfloat16")) is None
   assert strict.refusal(Call(64, 64, "bfloat16", sinks=True, cap=1.0)).startswith("Strict has no attention sinks")

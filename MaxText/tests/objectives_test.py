@@ -14,7 +14,7 @@ from MaxText.common_types import ConfigError
 from MaxText.input_pipeline.synthetic import SyntheticIterator
 from MaxText.objectives import base, dpo, lm, rl, sft
 from MaxText.objectives import losses as losses_lib
-from MaxText.tests.helpers import BASE_YML, config, overrides
+from MaxText.tests.helpers import BASE_YML, config, overrides, source_lines_matching
 
 
 # ------------------------------------------------------------------------------------------ the key
@@ -169,19 +169,6 @@ def test_the_flops_of_an_objective_scale_one_training_pass():
 def test_outside_the_objectives_and_the_config_layer_no_module_names_maxtexts_flags():
   """use_sft, use_dpo and use_rl are the config layer's to resolve into `objective`, and each objective's own
   module's; any other module reads the objective (objectives.get) instead, in code, strings and comments alike."""
-  import os
-  import re
-
-  from MaxText.tests.helpers import REPO_ROOT
-
   allowed = ("MaxText/objectives/", "MaxText/config_parse.py", "MaxText/config_derive.py", "MaxText/config_validate.py")
-  flag = re.compile(r"\buse_(sft|dpo|rl)\b")
-  named = []
-  for folder, dirs, files in os.walk(os.path.join(REPO_ROOT, "MaxText")):
-    dirs[:] = [d for d in dirs if d not in ("tests", "__pycache__")]
-    for name in files:
-      path = os.path.relpath(os.path.join(folder, name), REPO_ROOT)
-      if name.endswith(".py") and not path.startswith(allowed):
-        with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
-          named += [f"{path}:{i}" for i, line in enumerate(f, 1) if flag.search(line)]
+  named = source_lines_matching(r"\buse_(sft|dpo|rl)\b", allowed)
   assert not named, named

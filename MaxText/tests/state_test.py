@@ -156,18 +156,9 @@ def test_the_layer_order_adapter_round_trips_on_the_devices_as_its_traced_view_d
 def test_the_stored_layer_order_is_known_to_the_state_alone():
   """A circular pipeline's stage-major order is handled behind state.LayerOrder: no other module (the step,
   checkpointing, RL's rollouts) calls layers/pipeline.py's reorderings."""
-  import os
-  import re
+  from MaxText.tests.helpers import source_lines_matching
 
-  from MaxText.tests.helpers import REPO_ROOT
-
-  reorder = re.compile(r"\bpipeline\.(to_stored|to_natural|stores_stage_major)\b")
-  calls = []
-  for folder, dirs, files in os.walk(os.path.join(REPO_ROOT, "MaxText")):
-    dirs[:] = [d for d in dirs if d not in ("tests", "__pycache__")]
-    for name in files:
-      path = os.path.relpath(os.path.join(folder, name), REPO_ROOT)
-      if name.endswith(".py") and path not in ("MaxText/state.py", "MaxText/layers/pipeline.py"):
-        with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
-          calls += [f"{path}:{i}" for i, line in enumerate(f, 1) if reorder.search(line)]
+  calls = source_lines_matching(
+    r"\bpipeline\.(to_stored|to_natural|stores_stage_major)\b", ("MaxText/state.py", "MaxText/layers/pipeline.py")
+  )
   assert not calls, calls
