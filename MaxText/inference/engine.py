@@ -75,7 +75,9 @@ __all__ = [  # what callers import from here (the names of request.py and model_
 
 
 def check(config: Config) -> None:
-  """The engine's config keys, as one-line errors."""
+  """What a program that decodes needs of the config, as one-line errors: room to generate after the longest prompt,
+  and a page pool that holds a request (the engine's own keys' ranges are its section's, sections/decoding.py,
+  checked when the config is read)."""
   if config.max_prefill_predict_length >= config.max_target_length:
     raise ConfigError(
       f"max_prefill_predict_length={config.max_prefill_predict_length} leaves no room to generate within "
@@ -83,21 +85,6 @@ def check(config: Config) -> None:
     )
   if config.max_prefill_predict_length < 1:
     raise ConfigError(f"max_prefill_predict_length={config.max_prefill_predict_length} must be positive")
-  for key in ("pagedattn_tokens_per_page", "prefill_chunk_size", "decode_steps_per_dispatch"):
-    if getattr(config, key) < 1:
-      raise ConfigError(f"{key}={getattr(config, key)} must be at least 1")
-  if config.decode_batch_invariant and config.enable_prefix_caching:
-    raise ConfigError(
-      "decode_batch_invariant=true with enable_prefix_caching=true: a prompt whose first pages another request "
-      "cached is prefilled by another path (attention to the cache), so its tokens would depend on that request; "
-      "drop one of them"
-    )
-  if config.stream_interval_ms < 0:
-    raise ConfigError(f"stream_interval_ms={config.stream_interval_ms} is negative; give 0 (off) or a time in ms, e.g. 20")
-  if config.pagedattn_num_pages < 0:
-    raise ConfigError(
-      f"pagedattn_num_pages={config.pagedattn_num_pages} is negative; give 0 (enough for every slot) or more"
-    )
   per_row = math.ceil(config.max_target_length / config.pagedattn_tokens_per_page)
   if 0 < config.pagedattn_num_pages < per_row:
     raise ConfigError(

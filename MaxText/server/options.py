@@ -1,28 +1,10 @@
-"""What the server takes from the config: its keys checked (one-line errors), the served model's name, and the
-app's `Options` (which tests build directly)."""
+"""What the server takes from the config (its keys' rules are its section's, sections/serving.py, checked when the
+config is read): the served model's name, and the app's `Options` (which tests build directly)."""
 
 import dataclasses
 
 from MaxText import chat_template
-from MaxText.common_types import Config, ConfigError
-
-
-def check(config: Config) -> None:
-  """ConfigError for a serving key out of range."""
-  if not 0 <= config.server_port <= 65535:
-    raise ConfigError(f"server_port={config.server_port} is not a TCP port; give 1 to 65535 (0: any free port)")
-  if not config.server_host.strip():
-    raise ConfigError("server_host is empty; give the address to listen on, e.g. 127.0.0.1 (this machine only)")
-  if config.server_max_queue < 1:
-    raise ConfigError(f"server_max_queue={config.server_max_queue} must be at least 1 (requests waiting for a slot)")
-  if config.server_max_prompt_chars < 1:
-    raise ConfigError(
-      f"server_max_prompt_chars={config.server_max_prompt_chars} must be at least 1 (characters of a prompt)"
-    )
-  if not 0 < config.server_read_timeout <= 86400:
-    raise ConfigError(
-      f"server_read_timeout={config.server_read_timeout} must be 1 to 86400 seconds (a client's time to send a request)"
-    )
+from MaxText.common_types import Config
 
 
 def served_name(config: Config) -> str:
@@ -50,7 +32,6 @@ class Options:
 
   @classmethod
   def from_config(cls, config: Config) -> "Options":
-    check(config)
     template, _ = chat_template.find_template(config.chat_template, config.chat_template_path, config.tokenizer_path)
     return cls(
       served_name(config),

@@ -709,4 +709,4 @@ def test_batch_invariant_decoding_gives_a_request_the_same_bits_whatever_its_nei
 
 def test_batch_invariance_refuses_the_prefix_cache():
   with pytest.raises(engine_lib.ConfigError, match="decode_batch_invariant=true with enable_prefix_caching=true"):
-    engine_lib.check(config(*DECODE, "decode_batch_invariant=true", "enable_prefix_caching=true"))
+    config(*DECODE, "decode_batch_invariant=true", "enable_prefix_caching=true")  # refused when the config is read

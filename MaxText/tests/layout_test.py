@@ -70,6 +70,7 @@ TESTED_IN = {
   "MaxText.sections.quantize": ("sections_test.py",),
   "MaxText.sections.reinforcement": ("sections_test.py",),
   "MaxText.sections.router": ("sections_test.py",),
+  "MaxText.sections.serving": ("sections_test.py",),
   "MaxText.server.app": ("serve_test.py",),
   "MaxText.server.options": ("serve_test.py",),
   "MaxText.server.run": ("serve_test.py",),

@@ -27,6 +27,7 @@ from MaxText.sections import (
   quantize,
   reinforcement,
   router,
+  serving,
 )
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, config
 
@@ -39,7 +40,7 @@ def _base_keys() -> set[str]:
 def test_the_package_lists_its_modules():
   """Every module of the package is a section, found by listing it (the test imports each by name above)."""
   modules = [adapters, context_parallelism, data, decoding, layers, optimizer, preference, profiler, quantize]
-  modules += [reinforcement, router]
+  modules += [reinforcement, router, serving]
   assert sorted(sections.SECTIONS) == sorted(m.__name__.rsplit(".", 1)[1] for m in modules)
   assert [s.name for s in sections.all()] == sorted(sections.SECTIONS)
   assert all(sections.SECTIONS[m.SECTION.name] is m.SECTION for m in modules)

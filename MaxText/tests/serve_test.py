@@ -617,16 +617,17 @@ def test_a_client_that_disconnects_frees_its_slot(tokenizer, stream):
 
 # ------------------------------------------------------------------------------------------ config
 def test_serving_keys_are_checked_and_named():
+  """Refused when the config is read (their sections' rules), before any server or engine is built."""
   with pytest.raises(ConfigError, match=r"server_port=70000 is not a TCP port"):
-    server_options.check(config("server_port=70000"))
+    config("server_port=70000")
   with pytest.raises(ConfigError, match=r"server_max_queue=0 must be at least 1"):
-    server_options.check(config("server_max_queue=0"))
+    config("server_max_queue=0")
   with pytest.raises(ConfigError, match=r"server_max_prompt_chars=0 must be at least 1"):
-    server_options.check(config("server_max_prompt_chars=0"))
+    config("server_max_prompt_chars=0")
   with pytest.raises(ConfigError, match=r"server_read_timeout=0 must be 1 to 86400 seconds"):
-    server_options.check(config("server_read_timeout=0"))
+    config("server_read_timeout=0")
   with pytest.raises(ConfigError, match=r"stream_interval_ms=-1 is negative"):
-    engine_lib.check(config("stream_interval_ms=-1", "max_prefill_predict_length=32"))
+    config("stream_interval_ms=-1", "max_prefill_predict_length=32")
   assert server_options.served_name(config("run_name=", "load_parameters_path=/x/runs/demo/checkpoints/5/items")) == "demo"
   assert server_options.served_name(config("run_name=mine")) == "mine"
   assert server_options.served_name(config("served_model_name=m", "run_name=mine")) == "m"
