@@ -25,8 +25,9 @@ import jaxlib.version
 import numpy as np
 from jax.experimental import serialize_executable
 
-from MaxText import metrics, storage
+from MaxText import metrics, objectives, storage
 from MaxText.common_types import Config, ConfigError
+from MaxText.config_derive import OBJECTIVE_FLAGS
 from MaxText.kernel_capabilities import CAPABILITIES
 
 FORMAT = "maxtext-compiled-train-step-1"
@@ -58,6 +59,7 @@ NOT_IN_STEP = frozenset({
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file",
   "jax_coordinator_address", "jax_process_count", "jax_process_id", "jax_distributed_initialization_timeout",
   "jax_distributed_heartbeat_timeout_seconds", "skip_jax_distributed_system",
+  "objective", *OBJECTIVE_FLAGS,  # the fingerprint's own "objective": the step's, which another's may be (SFT: lm's)
 })  # fmt: skip
 _RAW_PARALLELISM = re.compile(r"^(ici|dcn)_[a-z]+_parallelism$")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
@@ -302,8 +304,10 @@ def fingerprint(config: Config, mesh) -> dict:
   keys = {
     key: value for key, value in config.as_dict().items() if key not in NOT_IN_STEP and not _RAW_PARALLELISM.match(key)
   }
+  objective = objectives.get(config)
   return {
     "format": FORMAT,
+    "objective": objective.same_step_as or objective.name,
     "devices": {"platform": device.platform, "kind": device.device_kind, "count": mesh.devices.size},
     "num_slices": config.num_slices,
     "versions": versions,
@@ -343,6 +347,9 @@ def _mismatch(stored: dict, here: dict) -> str:
     return f"it is for {_devices(stored)}, this run has {_devices(here)}"
   if stored["versions"] != here["versions"]:
     return f"it was compiled by {_versions(stored)}, this run has {_versions(here)}"
+  if stored.get("objective") != here["objective"]:
+    there = stored.get("objective", "(none: an older file)")
+    return f"it is the train step of objective={there}, this run's is objective={here['objective']}'s"
   there, ours = stored["config"], here["config"]
   differ = [k for k in sorted(set(there) | set(ours)) if there.get(k, "(none)") != ours.get(k, "(none)")]
   shown = "; ".join(f"{k}={there.get(k, '(none)')} there, {ours.get(k, '(none)')} here" for k in differ[:4])

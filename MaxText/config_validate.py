@@ -207,10 +207,8 @@ def _check_objective(values: Mapping) -> None:
   named = {values["objective"]} - {""} | {OBJECTIVE_FLAGS[key] for key in OBJECTIVE_FLAGS if values[key]}
   if len(named) > 1:
     raise ConfigError(f"{' and '.join(said)}: a run trains for one objective; set one")
-  if values["objective"] and values["objective"] not in objectives.names():
-    raise ConfigError(
-      f"objective={shown(values['objective'])} is not supported; choose one of {', '.join(map(repr, objectives.names()))}"
-    )
+  if values["objective"]:
+    objectives.check_name(values["objective"])
 
 
 def _check_post_training(values: Mapping) -> None:

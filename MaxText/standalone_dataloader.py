@@ -16,23 +16,24 @@ if __package__ in (None, ""):  # Run as a script: see MaxText/script_path.py.
 import jax
 import numpy as np
 
-from MaxText import cli, input_pipeline, sharding
+from MaxText import cli, input_pipeline, objectives, sharding
 
 
 def measure(config, warmup: int = 5) -> dict:
   """Pulls config.steps batches after `warmup`; returns the rates."""
   mesh = sharding.create_mesh(config)
-  input_pipeline.check(config)
-  data = input_pipeline.create_iterator(config, mesh)
+  objective = objectives.get(config)  # its records: documents, conversations (SFT) or preference pairs (DPO)
+  input_pipeline.check(config, objective.examples)
+  data = input_pipeline.create_iterator(config, mesh, examples=objective.examples)
   for _ in range(warmup):
     jax.block_until_ready(next(data))
   start, real_tokens = time.time(), 0
   for _ in range(config.steps):
-    batch = next(data)
-    jax.block_until_ready(batch)
-    real_tokens += int(np.sum(jax.device_get(batch["targets_segmentation"]) != 0))
+    batch = jax.block_until_ready(next(data))
+    masks = [jax.device_get(v) for k, v in batch.items() if k.endswith("targets_segmentation")]
+    real_tokens += sum(int(np.sum(m != 0)) for m in masks)
   seconds = time.time() - start
-  tokens = config.steps * config.global_batch_size * config.max_target_length
+  tokens = config.steps * config.global_batch_size * config.max_target_length * objective.sequences_per_row
   return {
     "batches_per_sec": config.steps / seconds,
     "tokens_per_sec": tokens / seconds,

@@ -42,7 +42,7 @@ def _reference(params, reference: bool):
   return jax.tree_util.tree_map(lambda x: x.copy(), params) if reference else None
 
 
-def keeps_reference(layout: "StateLayout") -> bool:
+def has_reference(layout: "StateLayout") -> bool:
   """Whether the train states of `layout` hold a reference model's parameters."""
   return layout.abstract.reference_params is not None
 
@@ -152,7 +152,7 @@ def init_state(model, config: Config, tx, layout: StateLayout) -> TrainState:
   """A fresh train state from init_weights_seed, created directly with its shardings (in the stored order,
   LayerOrder.store: the natural init's values, permuted)."""
   init = jax.jit(
-    lambda rng: LayerOrder(config).store(nn.meta.unbox(_boxed_state(model, config, tx, rng, keeps_reference(layout)))),
+    lambda rng: LayerOrder(config).store(nn.meta.unbox(_boxed_state(model, config, tx, rng, has_reference(layout)))),
     out_shardings=layout.shardings,
   )
   rng = jax.random.key(config.init_weights_seed)
@@ -181,7 +181,7 @@ def state_from_params(params, tx, layout: StateLayout, config: Config) -> TrainS
       step=jax.numpy.zeros((), jax.numpy.int32),
       params=p,
       opt_state=tx.init(trainable(config, p)),
-      reference_params=_reference(p, keeps_reference(layout)),
+      reference_params=_reference(p, has_reference(layout)),
     )
 
   return jax.jit(fresh, out_shardings=layout.shardings)(params)

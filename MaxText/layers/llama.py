@@ -5,7 +5,7 @@ gemma2.py, qwen2.py, qwen3.py, gpt3.py): they change the class attributes and th
 sliding_window, attention, mlp, and after_attention / after_mlp for Gemma 2's extra norms), never the call itself.
 
 The class also describes the layer to the code around the model, so that none of it names a family or an
-attention kind: its traits (moe, attention_type, dense_layer; pyconfig checks the config against them), the
+attention kind: its traits (moe, attention_type, dense_layer; its family declares them for pyconfig), the
 logical axes of its KV cache (inference/model_runner.py), and its model FLOPs (metrics.py): the attention's and the
 MLP's per token, and the (query, key) pairs its attention computes, which its masks decide (`attention_pairs`).
 A layer that changes what it computes changes these with it.
@@ -78,7 +78,8 @@ class LlamaDecoderLayer(nn.Module):
   router_logit_bias: ClassVar[bool] = False
   clamped_swiglu: ClassVar[bool] = False
   pre_mlp_norm_name: ClassVar[str] = "post_self_attention_layer_norm"  # Gemma 2: pre_ffw_norm.
-  # What the config must say about the layer (pyconfig checks it), and where layers of another class come first.
+  # What the config must say about the layer (its family declares the same for pyconfig, families_test checks), and
+  # where layers of another class come first.
   moe: ClassVar[bool] = False  # Its MLP is a mixture of experts (layers/moe.py): num_experts >= 2.
   attention_type: ClassVar[str] = "global"  # The config's attention_type it runs (MaxText's key): "mla" for MLA.
   # The class of the first first_num_dense_layers layers (DeepSeek's dense ones); None: every layer is this one.

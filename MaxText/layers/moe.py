@@ -17,8 +17,8 @@ The experts run one of three ways, which compute the same function (tests):
     (zero for experts not chosen) combine them: num_experts / k times the FLOPs, the plainest form.
 
 The load-balancing loss (Switch's, as MaxText weights it) is sown as `moe_lb_loss` in the `intermediates`
-collection; step.loss_fn adds its mean over layers to the loss. The capacity path also sows `moe_dropped`, the
-number of assignments it dropped.
+collection; the losses add its mean over layers (objectives/losses.py, moe_aux). The capacity path also sows
+`moe_dropped`, the number of assignments it dropped.
 """
 
 import dataclasses

@@ -45,13 +45,18 @@ def unregister(name: str) -> None:
   del REGISTERED[name]
 
 
+def check_name(name: str) -> None:
+  """ConfigError unless `name` is an objective (pyconfig checks the key with it)."""
+  if name not in names():
+    raise ConfigError(f"objective={name!r} is not supported; choose one of {', '.join(map(repr, names()))}")
+
+
 def get(config: Config):
   """The objective `config.objective` names, for `config` (a base.Objective)."""
   name = config.objective
   if name in REGISTERED:
     return REGISTERED[name](config)
-  if name not in names():
-    raise ConfigError(f"objective={name!r} is not supported; choose one of {', '.join(map(repr, names()))}")
+  check_name(name)
   cls = importlib.import_module(f"{__name__}.{name}").OBJECTIVE
   if cls.name != name:
     raise ValueError(f"MaxText/objectives/{name}.py defines {cls.name!r}; name the module after its objective")

@@ -58,6 +58,10 @@ class Objective:
   sequences_per_row: ClassVar[int] = 1  # sequences a batch row holds (DPO: a chosen and a rejected one)
   decodes: ClassVar[bool] = False  # its batches are made by the inference engine, whose KV cache it has
   evaluates_first: ClassVar[bool] = False  # a run from step 0 evaluates before its first step too (a baseline)
+  # The objective whose train step this one's is, when it is another's (SFT's is lm's): a step compiled for one
+  # (train_compile.py) loads into a run of the other.
+  same_step_as: ClassVar[str] = ""
+  eval_metrics: ClassVar[tuple[str, ...]] = ()  # sums of its loss's aux that evaluation reports per weight
 
   def __init__(self, config: Config):
     self.config = config
@@ -129,9 +133,10 @@ class Objective:
 
   # ------------------------------------------------------------------------------------- its evaluation
   def eval_loss(self, model, params, reference_params, batch) -> tuple[jax.Array, jax.Array, dict]:
-    """(summed eval loss, its weight, {metric: sum}) of an eval batch, without dropout or an MoE's balancing term."""
+    """(summed eval loss, its weight, {eval metric: sum}) of an eval batch, without dropout or an MoE's balancing
+    term."""
     loss, aux = self.loss(model, params, batch, jax.random.key(0), reference_params=reference_params, deterministic=True)
-    return loss - aux.get("moe_lb_loss", 0.0), aux["tokens"], {}
+    return loss - aux.get("moe_lb_loss", 0.0), aux["tokens"], {k: aux[k] for k in self.eval_metrics}
 
   def evaluate(self, mesh, eval_fn, state, data, *, step: int) -> dict[str, float]:
     """The eval/ scalars of `state`: eval_fn (step.jit_eval_step) over eval_steps batches of the eval split (-1:

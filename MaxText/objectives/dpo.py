@@ -72,6 +72,7 @@ class DirectPreference(base.Objective):
   name = "dpo"
   examples = input_pipeline.PREFERENCES
   sequences_per_row = 2
+  eval_metrics = METRICS
 
   def runs_reference(self) -> bool:
     return True
@@ -89,11 +90,6 @@ class DirectPreference(base.Objective):
   def step_metrics(self, aux: Mapping[str, jax.Array], denominator: jax.Array) -> dict[str, jax.Array]:
     """Its sums per pair."""
     return {f"learning/{name}": aux[name] / denominator for name in METRICS}
-
-  def eval_loss(self, model, params, reference_params, batch):
-    """DPO's loss (no MoE load-balancing term) per pair, and its metrics' sums."""
-    loss, aux = dpo_loss_fn(model, params, reference_params, batch, jax.random.key(0), deterministic=True)
-    return loss - aux.get("moe_lb_loss", 0.0), aux["tokens"], {k: aux[k] for k in METRICS}
 
   def eval_line(self, scalars: Mapping[str, float], when: str) -> str:
     return (

@@ -11,6 +11,7 @@ class SupervisedFineTuning(lm.LanguageModelling):
 
   name = "sft"
   examples = input_pipeline.CONVERSATIONS
+  same_step_as = "lm"  # only the records differ
 
 
 OBJECTIVE = SupervisedFineTuning

@@ -102,8 +102,11 @@ def _weighted_loss_float64(cfg, params, batch) -> float:
   return float(np.sum(weights * xent) / np.sum(weights))
 
 
-def test_a_registered_objective_trains_on_its_own_loss(registered, capsys):
-  cfg = config(f"objective={registered}", "steps=1", "eval_interval=1", "eval_steps=1")
+def test_a_registered_objective_trains_on_its_own_loss(registered, capsys, tmp_path):
+  """Its loss (against float64), its own step metric (the mean weight, against the batch's), its evaluation line."""
+  import json
+
+  cfg = config(f"objective={registered}", "steps=1", "eval_interval=1", "eval_steps=1", f"metrics_file={tmp_path}/m.jsonl")
   summary = train.train(cfg, jax.devices()[:1])
   parts = step_lib.build(cfg, jax.devices()[:1])
   params = state_lib.init_state(parts.model, cfg, parts.tx, parts.layout).params
@@ -113,6 +116,10 @@ def test_a_registered_objective_trains_on_its_own_loss(registered, capsys):
   np.testing.assert_allclose(loss, _weighted_loss_float64(cfg, params, batch), rtol=1e-5)
   assert set(summary.last_eval) == {"eval/weighted_loss", "eval/total_weights"}
   assert "eval after step 0: weighted loss" in capsys.readouterr().out
+  (record,) = [r for r in map(json.loads, open(tmp_path / "m.jsonl", encoding="utf-8")) if "learning/mean_weight" in r]
+  in_loss = np.asarray(batch["targets_segmentation"]) != 0
+  mean_weight = np.sum(np.where(in_loss, 1 + np.asarray(batch["inputs_position"]) % 3, 0)) / np.sum(in_loss)
+  np.testing.assert_allclose(record["learning/mean_weight"], mean_weight, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -130,7 +137,8 @@ def test_a_registered_objective_checkpoints_and_resumes_exactly(registered, tmp_
 # ------------------------------------------------------------------------------------------ the evaluation
 @pytest.mark.mesh
 def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
-  """Objective.evaluate (jitted, sharded over 2 devices) = float64 mean of unjitted per-batch loss sums."""
+  """Objective.evaluate (jitted, sharded over 2 devices) = float64 mean of unjitted per-batch loss sums: the
+  aggregation over batches and devices (the loss itself is eval_step's in both; lm's is checked elsewhere)."""
   from flax import linen as nn
 
   from MaxText import input_pipeline, sharding
@@ -157,12 +165,17 @@ def test_evaluate_matches_a_plain_loop_over_the_eval_batches():
 
 
 def test_the_flops_of_an_objective_scale_one_training_pass():
-  """DPO: two sequences per row, each with the reference's forward pass too: 2 x (3 + 1) / 3 of a training pass."""
+  """DPO: two sequences per row, each with the reference's forward pass too: 2 x (3 + 1) / 3 of a training pass; RL:
+  (3 + 1) / 3 with a KL penalty (the reference's forward pass), 1 without; SFT: language modelling's."""
   from MaxText import metrics
 
   one = metrics.training_flops_per_device(config()).total
   assert objectives.get(config()).flops().total == one
+  assert objectives.get(config("objective=sft", "dataset_type=hf")).flops().total == one
   assert objectives.get(config("objective=dpo", "dataset_type=hf")).flops().total == pytest.approx(one * 8 / 3)
+  rl_keys = ("objective=rl", "dataset_type=hf", "reward_functions=['exact_match']", "decode_sampling_strategy=weighted")
+  assert objectives.get(config(*rl_keys, "grpo_beta=0.04")).flops().total == pytest.approx(one * 4 / 3)
+  assert objectives.get(config(*rl_keys, "grpo_beta=0")).flops().total == one
 
 
 # ------------------------------------------------------------------------------------------ the house

@@ -348,7 +348,7 @@ def test_generated_logprobs_with_alternatives(server, sp):
 # ------------------------------------------------------------------------------------------ chat
 def test_chat_renders_the_fallback_template_and_streams_the_same(server, sp, tokenizer):
   _, url = server
-  # input_pipeline/sft.py's FALLBACK_TEMPLATE, written out: BOS, then "User: ...\n", then the generation prompt
+  # MaxText/chat_template.py's FALLBACK_TEMPLATE, written out: BOS, then "User: ...\n", then the generation prompt
   # (which this SentencePiece model reads back with the line break as a space).
   rendered = "User: hi sun\nAssistant:"
   ids = [sp.bos_id(), *sp.encode(rendered)]

@@ -352,6 +352,22 @@ def test_a_fingerprint_leaves_out_keys_that_do_not_shape_the_step():
   assert {"emb_dim", "per_device_batch_size", "learning_rate_schedule_steps", "ici_mesh_shape", "remat_policy"} <= set(keys)
 
 
+def test_a_compiled_step_moves_between_objectives_of_one_step_only(tmp_path):
+  """SFT's train step is language modelling's (only the records differ), so a step compiled for one is the other's;
+  DPO's is another step, refused before loading in one line naming both."""
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()[:1]).reshape((1,) * 7), ("data", "stage", "fsdp", "sequence", "context", "tensor", "expert")
+  )
+  lm, sft, dpo = (
+    pyconfig.load([BASE_YML, *overrides("dataset_type=hf", f"objective={o}")], num_devices=1, env={})
+    for o in ("lm", "sft", "dpo")
+  )
+  assert compiled_step.fingerprint(lm, mesh) == compiled_step.fingerprint(sft, mesh)
+  assert compiled_step._mismatch(compiled_step.fingerprint(lm, mesh), compiled_step.fingerprint(sft, mesh)) == ""
+  mismatch = compiled_step._mismatch(compiled_step.fingerprint(lm, mesh), compiled_step.fingerprint(dpo, mesh))
+  assert mismatch == "it is the train step of objective=lm, this run's is objective=dpo's"
+
+
 @needs_libtpu
 @pytest.mark.parametrize("megablox", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_a_tiny_mixture_of_experts_compiles_with_expert_parallelism(megablox):

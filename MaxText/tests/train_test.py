@@ -29,7 +29,7 @@ def _losses(summary):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cross_entropy_equals_a_float64_reference(dtype):
-  """step.cross_entropy (custom gradient, no float32 copy of the logits) against NumPy in float64 on the same
+  """losses.cross_entropy (custom gradient, no float32 copy of the logits) against NumPy in float64 on the same
   (dtype-rounded) logits: the per-token values and the gradient of a weighted sum, whose zero weights stand for
   padding. The gradient is returned in the logits' dtype, so bfloat16 carries its own rounding (2^-8 relative)."""
   rng = np.random.default_rng(0)
