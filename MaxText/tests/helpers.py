@@ -156,10 +156,25 @@ def abstract_params(preset: str):
   return nn.meta.unbox(shapes)["params"], cfg
 
 
-def array_files(step_dir: str) -> list[str]:
-  """The array data files of the checkpoint folder `step_dir` (Orbax OCDBT data files), largest first."""
+BTREE_NODE_MAGIC = bytes.fromhex("0cdb20de")  # the first bytes of an OCDBT B+tree node (TensorStore's format)
+
+
+def data_files(step_dir: str) -> list[str]:
+  """Every Orbax OCDBT data file of the checkpoint folder `step_dir`: array values and B+tree nodes."""
   files = [os.path.join(r, f) for r, _, names in os.walk(os.path.join(step_dir, "items")) for f in names]
-  return sorted((f for f in files if f"{os.sep}d{os.sep}" in f), key=os.path.getsize, reverse=True)
+  return [f for f in files if f"{os.sep}d{os.sep}" in f]
+
+
+def array_files(step_dir: str) -> list[str]:
+  """The data files of the checkpoint folder `step_dir` that hold array values, largest first. Not the B+tree
+  nodes: the root's are the index, and each process's own are unused once Orbax merged them into the root's, so
+  damage to one of those may never be read."""
+
+  def holds_values(path):
+    with open(path, "rb") as f:
+      return f.read(len(BTREE_NODE_MAGIC)) != BTREE_NODE_MAGIC
+
+  return sorted(filter(holds_values, data_files(step_dir)), key=os.path.getsize, reverse=True)
 
 
 def flip_a_stored_bit(step_dir: str, name: str) -> None:
