@@ -7,6 +7,7 @@ import json
 import math
 import resource
 import statistics
+import sys
 import time
 
 import jax
@@ -288,6 +289,30 @@ class WriteError(OSError):
   """A metrics output (TensorBoard's events, metrics_file) could not be written; the message says which and why."""
 
 
+def import_writers(config: Config) -> None:
+  """Imports what MetricWriter(config) will write with (tensorboardX), so that a run can do it while XLA compiles."""
+  if config.enable_tensorboard and jax.process_index() == 0:
+    try:
+      _summary_writer_class()
+    except ImportError:
+      pass  # (MetricWriter says so)
+
+
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter (lazy: not installed on every machine), imported without PyTorch: tensorboardX
+  imports torch when it can, only to accept torch tensors, which a run never logs, and that import was 1.5 s of a
+  2-core machine's time to the first step wherever torch is installed. A torch already imported is kept."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # (an `import torch` now raises ImportError, which tensorboardX expects)
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricWriter:
   """Writes one record per logged step to TensorBoard, `metrics_file` and, with gcs_metrics=true (MaxText's key),
   {run_dir}/metrics/metrics.jsonl (process 0 only). Any of them may be on a bucket (storage.AppendedText).
@@ -305,7 +330,7 @@ class MetricWriter:
       return
     if config.enable_tensorboard:
       try:
-        from tensorboardX import SummaryWriter  # Lazy: not installed on every machine.
+        SummaryWriter = _summary_writer_class()
       except ImportError:
         print("warning: tensorboardX is not installed; set enable_tensorboard=false to silence this", flush=True)
       else:

@@ -65,6 +65,34 @@ def test_metric_writer_json_lines(tmp_path):
   assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 3, "learning/loss": 1.5}
 
 
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+  """tensorboardX imports PyTorch when it can (1.5 s of a 2-core machine's time to the first step): a run's writer
+  keeps it out, and its events are still written (read back as TFRecords of tensorboardX's Event protos)."""
+  import subprocess
+  import sys
+
+  pytest.importorskip("torch")  # (only where torch is installed is there anything to keep out)
+  code = (
+    "import sys; from MaxText import metrics; from MaxText.tests.helpers import config; "
+    f"w = metrics.MetricWriter(config('enable_tensorboard=true'), {str(tmp_path)!r}); "
+    "w.write(3, {'learning/loss': 1.5}); w.close(); print('torch' in sys.modules)"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+  assert out.stdout.split()[-1] == "False", out.stdout + out.stderr
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  [events] = (tmp_path / "tensorboard").iterdir()
+  data, scalars = events.read_bytes(), []
+  while data:  # TFRecord framing: length (u64), its CRC, the Event, its CRC
+    (length,) = struct.unpack("<Q", data[:8])
+    event = event_pb2.Event.FromString(data[12 : 12 + length])
+    scalars += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+    data = data[16 + length :]
+  assert scalars == [(3, "learning/loss", 1.5)]
+
+
 # Parameter counts published with the Hugging Face checkpoints (the safetensors totals on the model cards).
 PUBLISHED_PARAMS = {
   "llama3-70b": 70_553_706_496,
