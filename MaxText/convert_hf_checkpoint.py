@@ -3,6 +3,8 @@
     python3 MaxText/convert_hf_checkpoint.py MaxText/configs/base.yml hf_model_path=DIR \
       base_output_directory=OUT run_name=NAME [scan_layers=true] [weight_dtype=float32]
 
+hf_model_path may also be a Hugging Face Hub id (owner/name), fetched into the Hugging Face cache (MaxText/hub.py).
+
 DIR holds `config.json` and `*.safetensors` (sharded or not; `.bin` files are refused, never unpickled). The
 architecture comes from config.json (llama, mistral, qwen3, gemma, gemma2, gpt2: the families of MaxText/families/).
 Writes OUT/NAME/checkpoints/0/items (Orbax, params only, layers scanned or not as scan_layers says) and next to
@@ -28,7 +30,7 @@ import numpy as np
 import yaml
 
 from MaxText import chat_template as template_lib
-from MaxText import checkpointing, cli, families, state, storage
+from MaxText import checkpointing, cli, families, hub, state, storage
 from MaxText.common_types import Config, ConfigError, cut
 from MaxText.convert import get, hf_families, put, staged, tokenizer_companions
 from MaxText.convert.streaming import FLOAT_DTYPES, HFTensors, LazyArray, non_finite, save_params
@@ -245,7 +247,7 @@ def convert(config: Config, argv: list[str]) -> str:
   command line, loaded again with model_name=model.yml so the imported keys are checked like any preset."""
   if config.model_name != "default":
     raise ConfigError(f"model_name={config.model_name}: the importer takes the model from config.json; drop model_name")
-  folder = os.path.expanduser(config.hf_model_path)
+  folder = hub.model_folder(config.hf_model_path)  # a local folder, or a Hub id fetched into the HF cache
   hf_config = read_hf_config(folder)
   keys = families.model_keys_from_hf(hf_config)
   if (positions := source_max_positions(hf_config)) is not None:
