@@ -25,7 +25,7 @@ import collections
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -103,7 +103,7 @@ class Engine:
     mesh: jax.sharding.Mesh,
     params,
     *,
-    eos_id: int = -1,
+    end_ids: Sequence[int] = (),
     pad_id: int = 0,
     num_tokens: int | None = None,
     detokenize: Callable[[list[int]], str] | None = None,
@@ -117,7 +117,8 @@ class Engine:
     quantizations.check_devices(config, mesh.devices.flat[0])  # as training's: fp8 on a GPU without it, megablox
     cfg = self.config = config
     self.mesh = mesh
-    self.eos_id, self.num_tokens = eos_id, num_tokens
+    self.end_ids = tuple(sorted(set(end_ids) - {-1}))  # a completion ends at any (the tokenizer's end_ids)
+    self.num_tokens = num_tokens
     self.detokenize = detokenize
     self.max_queue = max_queue
     self.num_slots = num_slots or cfg.micro_batch_size  # RL rollouts: every completion of a step at once
@@ -165,8 +166,9 @@ class Engine:
     mesh = sharding.create_mesh(config)
     params, where = checkpointing.load_params(config, mesh, params_dtype(config, mesh))
     logging.info("Parameters from %s", where)
+    print(f"decoding {tokenizer.describe_end()}", flush=True)
     options = {
-      "eos_id": tokenizer.eos_id,
+      "end_ids": tokenizer.end_ids,
       "pad_id": max(tokenizer.pad_id, 0),
       "num_tokens": tokenizer.vocab_size,
       "detokenize": tokenizer.decode,
@@ -249,8 +251,8 @@ class Engine:
       raise RequestError(f"top_k={request.top_k}: must be >= 0 (0 is off)")
     if not 0 < request.top_p <= 1:
       raise RequestError(f"top_p={request.top_p}: must be in (0, 1]")
-    if len(set(request.stop_token_ids) | {self.eos_id}) > MAX_STOP_IDS:
-      raise RequestError(f"stop_token_ids: at most {MAX_STOP_IDS - 1} ids")
+    if len(set(request.stop_token_ids) | set(self.end_ids)) > MAX_STOP_IDS:
+      raise RequestError(f"stop_token_ids: at most {MAX_STOP_IDS - len(self.end_ids)} ids")
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
       raise RequestError(f"logprobs={request.logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
     if request.echo and request.logprobs is None:
@@ -354,7 +356,7 @@ class Engine:
       return
     self.kv.cache_prompt(slot)
     entry.output.prompt_done()
-    stop_ids = sorted({*request.stop_token_ids, *(() if request.ignore_eos else (self.eos_id,))} - {-1})
+    stop_ids = sorted({*request.stop_token_ids, *(() if request.ignore_eos else self.end_ids)} - {-1})
     running = self.runner.start(slot, request, entry.seed, out.token, stop_ids)
     self._emit(slot, [out.token], [out.logprob], done=not running)
 

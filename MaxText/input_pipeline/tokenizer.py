@@ -48,6 +48,23 @@ class Tokenizer:
   vocab_size: int  # one more than the largest id, special tokens included
   special_tokens: dict[str, str]
   encode_with_specials: Callable[[str], list[int]]
+  # Where decoding stops: the EOS and the model's other end-of-turn ids (a Hugging Face folder's
+  # generation_config.json lists them: Llama 3's <|eot_id|> beside <|end_of_text|>), and where they came from.
+  extra_end_ids: tuple[int, ...] = ()
+  end_source: str = ""
+
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    """The ids decoding stops at, sorted: eos_id (if any) and extra_end_ids."""
+    return tuple(sorted({self.eos_id, *self.extra_end_ids} - {-1}))
+
+  def describe_end(self) -> str:
+    """One line naming the ids decoding stops at and where they came from."""
+    if self.end_source:
+      return f"stops at {self.end_source}"
+    if self.eos_id >= 0:
+      return f"stops at the tokenizer's EOS ({self.eos_id})"
+    return "stops at no token: the tokenizer has no EOS (max lengths and stop sequences end a completion)"
 
 
 def _split_specials(encode: Callable[[str], list[int]], ids: dict[str, int]) -> Callable[[str], list[int]]:
@@ -227,16 +244,43 @@ def _huggingface(path: str) -> Tokenizer:
     elif ids[name] is None:
       raise ConfigError(f"{config_path} names {name}_token={token!r}, which {path} lacks; fix one of the two files")
   encode = lambda text: model.encode(text, add_special_tokens=False).ids  # noqa: E731
+  vocab_size = max(model.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+  generation_path = os.path.join(os.path.dirname(path), "generation_config.json")
+  generation_ends = _generation_end_ids(generation_path, vocab_size)
+  named_by = {i: [f"{os.path.basename(generation_path)}'s eos_token_id"] for i in generation_ends}
+  if ids.get("eos") is not None:
+    named_by.setdefault(ids["eos"], []).insert(0, f"{os.path.basename(config_path)}'s eos_token")
   return Tokenizer(
     encode=encode,
     decode=model.decode,
     bos_id=ids.get("bos", -1),
     eos_id=ids.get("eos", -1),
     pad_id=ids.get("pad", -1),
-    vocab_size=max(model.get_vocab(with_added_tokens=True).values(), default=-1) + 1,
+    vocab_size=vocab_size,
     special_tokens={f"{name}_token": token for name, token in tokens.items()},
     encode_with_specials=encode,  # tokenizers reads added tokens in text as the tokens (transformers' default)
+    extra_end_ids=generation_ends,
+    end_source="; ".join(f"{model.id_to_token(i)} ({i}), {' and '.join(w)}" for i, w in sorted(named_by.items())),
   )
+
+
+def _generation_end_ids(path: str, vocab_size: int) -> tuple[int, ...]:
+  """The eos_token_id of a Hugging Face generation_config.json (one id or a list; none without the file): the ids
+  transformers' generate() stops at."""
+  if not os.path.isfile(path):
+    return ()
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path} is not a JSON file ({' '.join(str(e).split())[:120]}); fix or remove it") from None
+  ends = value.get("eos_token_id") if isinstance(value, dict) else None
+  ends = [ends] if ends is None or isinstance(ends, int) else ends
+  if not isinstance(ends, list) or any(type(i) is not int or not 0 <= i < vocab_size for i in ends if i is not None):
+    raise ConfigError(
+      f"{path}: eos_token_id={str(ends)[:80]} must be a token id or a list of ids in [0, {vocab_size}); fix or remove it"
+    )
+  return tuple(sorted({i for i in ends if i is not None}))
 
 
 LOADERS = implement(TOKENIZER_TYPES, {"sentencepiece": _sentencepiece, "tiktoken": _tiktoken, "huggingface": _huggingface})

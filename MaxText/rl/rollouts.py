@@ -223,11 +223,12 @@ class Rollouts:
     self.completion_limit = config.max_target_length - config.max_prefill_predict_length
     self._cast = None
     self.lap_seconds = 0.0  # the training rollouts' time since the last metrics()
+    print(f"rollouts: decoding {tokenizer.describe_end()}", flush=True)
     self.engine = engine_lib.Engine(
       config,
       mesh,
       self._decoding(params),
-      eos_id=tokenizer.eos_id,
+      end_ids=tokenizer.end_ids,
       pad_id=max(tokenizer.pad_id, 0),
       num_tokens=tokenizer.vocab_size,
       detokenize=tokenizer.decode,

@@ -395,7 +395,7 @@ def test_stop_strings_ids_eos_and_length():
     assert result.tokens == tokens or request.stop, request  # a stop string's tokens: the test below
     # The stop token that ended it is the result's stop_token (a stop string's cut and "length" have none).
     assert result.stop_token == (request.stop_token_ids[0] if request.stop_token_ids else None), request
-  eos = _engine(cfg, params, detokenize=_text, eos_id=g[3]).generate([engine_lib.Request(prompt, 16, logprobs=0)])[0]
+  eos = _engine(cfg, params, detokenize=_text, end_ids=[g[3]]).generate([engine_lib.Request(prompt, 16, logprobs=0)])[0]
   first = g.index(g[3])
   assert (eos.tokens, eos.text, eos.finish_reason, eos.stop_token) == (g[:first], _text(g[:first]), "stop", g[3])
   assert len(eos.logprobs) == first and eos.stop_logprob is not None and eos.stop_logprob.logprob <= 0

@@ -380,6 +380,76 @@ def test_the_export_writes_the_tokenizer_and_generate_stops_at_its_eos(chat_impo
   assert stopped.tolist() == free[: k + 1].tolist()
 
 
+def test_a_chat_served_on_the_import_answers_as_transformers_greedy_generate(tmp_path):
+  """serve.py's chat route on an imported Llama (SmolLM2's architecture) with its own chat template and end tokens,
+  as the import copied them, answers each conversation as transformers' greedy generate() does on the source
+  folder: the same tokens (the answer's text and count), stopping at the same token. generation_config.json lists
+  the end ids, as Llama 3's does: <|im_end|> and a token greedy decoding reaches in the first answer (a random model
+  never says <|im_end|>), so that answer stops early; the run says which ids end a completion and where from. (The
+  weights are random with norms near 1, so the answers depend on the prompt, unlike those of save_random's.)"""
+  import contextlib
+  import io
+  import shutil
+
+  from MaxText.server import app as server_app
+  from MaxText.server import options as server_options
+  from MaxText.tests.serve_test import client, running
+
+  hf_dir = str(tmp_path / "hf")
+  torch.manual_seed(0)
+  model = hf_model("llama", vocab_size=CHAT_VOCAB).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.2)
+  model.save_pretrained(hf_dir)
+  save_chat_tokenizer(hf_dir)
+  ckpt = import_hf(hf_dir, str(tmp_path / "out"))
+  reference = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  prompts = [reference.apply_chat_template(c, add_generation_prompt=True, return_tensors="pt") for c in CONVERSATIONS]
+  prompts = [p["input_ids"] if not isinstance(p, torch.Tensor) else p for p in prompts]
+  with torch.no_grad():
+    free = model.generate(prompts[0], do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)[0]
+  free = free[prompts[0].shape[1] :].tolist()
+  k = next(i for i in range(3, 10) if free[i] not in free[:i])
+  im_end = reference.convert_tokens_to_ids("<|im_end|>")
+  folder = tmp_path / "tokenizer"
+  folder.mkdir()
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(os.path.join(ckpt, name), folder / name)
+  (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, free[k]], "pad_token_id": 0}))
+  generation = transformers.GenerationConfig.from_pretrained(str(folder))
+  want = []
+  for prompt in prompts:
+    with torch.no_grad():
+      out = model.generate(prompt, generation_config=generation, do_sample=False, max_new_tokens=10)[0]
+    want.append(out[prompt.shape[1] :].tolist())
+  assert len(want[0]) == k + 1 and want[0][-1] == free[k]  # the first answer stops at the listed end id
+
+  cfg = our_config(
+    ckpt, "tokenizer_type=huggingface", f"tokenizer_path={folder}/tokenizer.json", "use_chat_template=true",
+    "dtype=float32", "max_target_length=96", "max_prefill_predict_length=80", "per_device_batch_size=2",
+  )  # fmt: skip
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):  # (not capsys: uvicorn's log handlers would keep its stream past the test)
+    engine, tokenizer = engine_lib.Engine.from_config(cfg)
+  said = printed.getvalue()
+  assert f"decoding stops at <|im_end|> ({im_end}), tokenizer_config.json's eos_token and generation_config.json's" in said
+  assert f"; {reference.convert_ids_to_tokens(free[k])} ({free[k]}), generation_config.json's eos_token_id" in said
+  options = server_options.Options.from_config(cfg)
+  engine.start()
+  try:
+    with running(server_app.create_app(engine, tokenizer, options)) as url:
+      for turns, tokens in zip(CONVERSATIONS, want, strict=True):
+        chat = client(url).chat.completions.create(model=options.model_name, messages=turns, max_tokens=10, temperature=0)
+        ended = tokens[-1] in generation.eos_token_id
+        answer = tokens[:-1] if ended else tokens  # (the end token is not part of the answer's text)
+        assert chat.choices[0].message.content == reference.decode(answer, skip_special_tokens=True)
+        assert chat.choices[0].finish_reason == ("stop" if ended else "length")
+        assert chat.usage.completion_tokens == len(answer)
+  finally:
+    engine.stop()
+
+
 def test_the_export_writes_a_sentencepiece_tokenizer_that_transformers_splits_as_ours(tmp_path):
   """A model made here with a SentencePiece tokenizer (the quick start's kind) exports with a tokenizer.json that
   transformers reads into the same tokens as our runs (BOS first, as add_bos puts it), the same text back, BOS and

@@ -122,7 +122,7 @@ def test_generate_stops_at_eos():
   full = _generate(_engine(cfg, params), [prompt], cfg)[0]
   eos = full[5]
   first = full.index(eos)
-  (stopped,) = _engine(cfg, params, eos_id=eos).generate([engine_lib.Request(prompt, len(full))])
+  (stopped,) = _engine(cfg, params, end_ids=[eos]).generate([engine_lib.Request(prompt, len(full))])
   assert stopped.tokens == full[:first] and stopped.finish_reason == "stop"
 
 

@@ -676,7 +676,7 @@ def test_the_real_engine_serves_what_it_generates_alone(tokenizer, sp, spm_path)
   cfg, mesh, params = _tiny_model(spm_path)
 
   def engine():
-    kw = {"eos_id": tokenizer.eos_id, "num_tokens": tokenizer.vocab_size, "detokenize": tokenizer.decode}
+    kw = {"end_ids": tokenizer.end_ids, "num_tokens": tokenizer.vocab_size, "detokenize": tokenizer.decode}
     return engine_lib.Engine(cfg, mesh, params, **kw)
 
   texts = [TEXT, "The moon of the sky is 7.", "System", "The sea of the sun is 12, hi. The"]
@@ -736,8 +736,8 @@ def test_lm_eval_scores_a_continuation_whose_next_token_is_eos(tokenizer, sp, sp
   ids, ctxlen = [sp.bos_id(), *sp.encode(TEXT)], 4
   kw = {"num_tokens": tokenizer.vocab_size, "detokenize": tokenizer.decode}
   request = engine_lib.Request(tuple(ids), 1, logprobs=1, echo=True)
-  reference = engine_lib.Engine(cfg, mesh, params, eos_id=-1, **kw).generate([request])[0]
-  served = engine_lib.Engine(cfg, mesh, params, eos_id=reference.tokens[0], **kw)  # EOS is the greedy next token
+  reference = engine_lib.Engine(cfg, mesh, params, **kw).generate([request])[0]
+  served = engine_lib.Engine(cfg, mesh, params, end_ids=[reference.tokens[0]], **kw)  # EOS is the greedy next token
   served.start()
   try:
     with running(server_app.create_app(served, tokenizer, server_options.Options(MODEL))) as url:

@@ -167,6 +167,37 @@ def test_huggingface_config_naming_an_unknown_token_is_a_config_error(tmp_path, 
     tokenizer_lib.load(str(tmp_path / "tokenizer.json"), "huggingface")
 
 
+def test_huggingface_end_ids_add_generation_configs_and_say_where_from(tmp_path, files):
+  """A generation_config.json beside tokenizer.json adds its eos_token_id (one id or a list, as transformers'
+  generate() reads it) to the tokenizer's EOS; the line a run prints names each id's token and file. Without one,
+  the EOS alone; a bad one is one ConfigError naming the file and the fix."""
+  import tokenizers
+
+  library = tokenizers.Tokenizer.from_file(str(files / "hf/tokenizer.json"))
+  eos, pad = library.token_to_id("</s>"), library.token_to_id("<pad>")
+  alone = tokenizer_lib.load(str(files / "hf/tokenizer.json"), "huggingface")
+  assert alone.end_ids == (eos,) and alone.describe_end() == f"stops at </s> ({eos}), tokenizer_config.json's eos_token"
+  (tmp_path / "tokenizer.json").write_bytes((files / "hf/tokenizer.json").read_bytes())
+  (tmp_path / "tokenizer_config.json").write_bytes((files / "hf/tokenizer_config.json").read_bytes())
+  for listed in ([pad, eos], pad):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": listed, "bos_token_id": 1}))
+    tok = tokenizer_lib.load(str(tmp_path / "tokenizer.json"), "huggingface")
+    assert tok.end_ids == tuple(sorted({pad, eos})) and tok.eos_id == eos
+    said = {
+      eos: f"</s> ({eos}), tokenizer_config.json's eos_token"
+      + (" and generation_config.json's eos_token_id" * (listed != pad)),
+      pad: f"<pad> ({pad}), generation_config.json's eos_token_id",
+    }
+    assert tok.describe_end() == "stops at " + "; ".join(said[i] for i in sorted(said)), listed
+  bare = tokenizer_lib.load(str(files / "hf_bare/tokenizer.json"), "huggingface")
+  assert bare.end_ids == () and "stops at no token" in bare.describe_end()
+  for bad in ('{"eos_token_id": "2"}', '{"eos_token_id": [1, 100000]}', "{not json"):
+    (tmp_path / "generation_config.json").write_text(bad)
+    with pytest.raises(ConfigError, match="generation_config.json") as e:
+      tokenizer_lib.load(str(tmp_path / "tokenizer.json"), "huggingface")
+    assert "\n" not in str(e.value) and "fix or remove it" in str(e.value)
+
+
 def test_sentencepiece_through_the_interface(files):
   import sentencepiece as spm
 
