@@ -289,15 +289,6 @@ class WriteError(OSError):
   """A metrics output (TensorBoard's events, metrics_file) could not be written; the message says which and why."""
 
 
-def import_writers(config: Config) -> None:
-  """Imports what MetricWriter(config) will write with (tensorboardX), so that a run can do it while XLA compiles."""
-  if config.enable_tensorboard and jax.process_index() == 0:
-    try:
-      _summary_writer_class()
-    except ImportError:
-      pass  # (MetricWriter says so)
-
-
 def _summary_writer_class():
   """tensorboardX's SummaryWriter (lazy: not installed on every machine), imported without PyTorch: tensorboardX
   imports torch when it can, only to accept torch tensors, which a run never logs, and that import was 1.5 s of a

@@ -121,24 +121,20 @@ def train(config: Config, devices=None, started: float | None = None) -> TrainSu
 
 def _prepare(config: Config, manager, parts: step_lib.Parts, started: float) -> Run:
   """Compiles the step ahead of time (or loads the one train_compile.py wrote to compiled_trainstep_file) while
-  the state is restored or initialised and the data is positioned for the first step. Nothing is written before
+  the state is restored or initialised, then positions the data for the first step. Nothing is written before
   the compiled step is known to fit in memory."""
   mesh, model, schedule, tx, layout = parts
   objective = objectives.get(config)
   jitted = step_lib.jit_train_step(config, mesh, model=model, schedule=schedule, tx=tx, layout=layout)
-
-  def state_and_data():  # while the step compiles: nothing here writes
-    start = checkpointing.restore_or_init(config, manager, model, tx, layout)
-    first_step = int(jax.device_get(start.state.step))
-    data = None
-    if first_step < config.steps:
-      data = objective.data(mesh, start.state.params, first_step)
-      if start.resumed and config.dataset_type != "synthetic":
-        checkpointing.restore_data(config, manager, first_step, data)
-    metrics.import_writers(config)  # (TensorBoard's writer takes 0.5 s to import)
-    return start, first_step, data
-
-  compiled, (start, first_step, data) = step_lib.compile_while(config, mesh, jitted, state_and_data)
+  compiled, start = step_lib.compile_while(
+    config, mesh, jitted, lambda: checkpointing.restore_or_init(config, manager, model, tx, layout)
+  )
+  first_step = int(jax.device_get(start.state.step))
+  data = None
+  if first_step < config.steps:
+    data = objective.data(mesh, start.state.params, first_step)
+    if start.resumed and config.dataset_type != "synthetic":
+      checkpointing.restore_data(config, manager, first_step, data)
   for damaged in start.skipped:
     cli.log(f"skipped: {damaged}")
   if start.resumed:

@@ -65,14 +65,13 @@ def dequantize(gguf: str, out: str) -> None:
   model.load_state_dict(quantized.state_dict())
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=parent) as partial:
+  with tempfile.TemporaryDirectory(dir=parent, ignore_cleanup_errors=True) as partial:  # (renamed when whole)
     model.save_pretrained(partial)  # (with generation_config.json)
     tokenizer.save_pretrained(partial)
     if os.path.isfile(os.path.join(out, "config.json")):
       return  # (another run made it meanwhile)
     shutil.rmtree(out, ignore_errors=True)  # (no config.json in it: what an interrupted copy left)
     os.replace(partial, out)
-    os.makedirs(partial)  # (for TemporaryDirectory's clean-up)
 
 
 def main() -> int:
